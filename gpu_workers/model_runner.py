@@ -1,0 +1,85 @@
+"""ModelRunner.run(): one step plan in, one sampled token per finished chunk out."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_workers.llama import AttentionMetadata, LlamaModel
+from gpu_workers.sampler import sample
+from surge.protocol import ScheduledSeq, StepPlan
+
+
+def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    cfg = model.cfg
+    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_block_bytes(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+    shape = kv_cache_shape(model, 1, block_size)
+    return int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(
+        len(tables), width)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size), dtype=dtype,
+                                    device=device)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> list[int]:
+        # Decode tokens (one per sequence) first, so attention can treat them as one batch.
+        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
+        input_ids, positions, meta = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)
+        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        want = [i for i, s in enumerate(seqs) if s.sample]
+        if not want:
+            return []
+        logits = self.model.logits(hidden[ends[want].to(self.device)])
+        picked = [seqs[i] for i in want]
+        tokens = sample(
+            logits,
+            torch.tensor([s.temperature for s in picked], device=self.device),
+            torch.tensor([s.seed for s in picked], device=self.device),
+            torch.tensor([s.start_pos + len(s.token_ids) for s in picked], device=self.device),
+        ).tolist()
+        # Back to plan order, which is how the scheduler reads them.
+        by_seq = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}
+        return [by_seq[s.seq_id] for s in plan.seqs if s.sample]
+
+    def _prepare(self, seqs: list[ScheduledSeq]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        lens = [len(s.token_ids) for s in seqs]
+        num_decode = sum(1 for n in lens if n == 1)
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
+        counts = torch.tensor(lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+        offsets = torch.arange(len(input_ids)) - torch.repeat_interleave(counts.cumsum(0) - counts,
+                                                                         counts)
+        positions = starts[seq_index] + offsets
+        tables = _padded([s.block_table for s in seqs])
+        slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
+        context_lens = starts + counts
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            num_decode=num_decode,
+            # Padded per group: decode attention reads every listed block, so keep it narrow.
+            decode_block_tables=_padded([s.block_table for s in seqs[:num_decode]]).to(dev),
+            decode_context_lens=context_lens[:num_decode].to(dev),
+            prefill_block_tables=_padded([s.block_table for s in seqs[num_decode:]]).to(dev),
+            prefill_query_lens=lens[num_decode:],
+            prefill_context_lens=context_lens[num_decode:].tolist(),
+        )
+        return input_ids.to(dev), positions.to(dev), meta

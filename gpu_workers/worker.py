@@ -1,0 +1,102 @@
+"""The worker process: load the model, size the KV cache, then run every step plan it is sent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from gpu_workers.loader import load_model
+from gpu_workers.model_runner import ModelRunner, kv_block_bytes
+from shm.ring import RingBuffer, RingClosed
+from surge.config import ModelConfig, SurgeConfig, parse_memory
+from surge.model_files import resolve_model
+from surge.process import child_setup
+from surge.protocol import PlanMessage, Shutdown, StepResult, WorkerFailed, WorkerReady, encode
+from surge.runtime import Channels
+
+log = logging.getLogger("surge.worker")
+
+
+def pick_device(cfg: ModelConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    if device.type == "cuda" or _cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> None:
+    child_setup(f"worker {rank}", cfg)
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PUSH)
+    results.connect(channels.results)
+    ring = RingBuffer(channels.plan_ring, reader=rank)
+    try:
+        runner, ready = _load(cfg, rank)
+        results.send(encode(ready))
+        status.put((f"worker {rank}", ready.description))
+        decoder = msgspec.msgpack.Decoder(PlanMessage)
+        while True:
+            msg = decoder.decode(ring.get())
+            if isinstance(msg, Shutdown):
+                break
+            tokens = runner.run(msg)
+            if rank == 0:
+                results.send(encode(StepResult(msg.step_id, tokens)))
+    except (SystemExit, RingClosed):
+        pass
+    except BaseException as e:
+        log.error("worker failed:\n%s", traceback.format_exc())
+        results.send(encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        raise SystemExit(1) from e
+    finally:
+        ring.close()
+        ctx.destroy(linger=500)
+
+
+def _load(cfg: SurgeConfig, rank: int) -> tuple[ModelRunner, WorkerReady]:
+    device = pick_device(cfg.model)
+    dtype = pick_dtype(cfg.model, device)
+    files = resolve_model(cfg.model.model)
+    started = time.monotonic()
+    model = load_model(files, device, dtype)
+    block_size = cfg.scheduler.block_size
+    budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
+    num_blocks = budget // kv_block_bytes(model, block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
+                         f"of {block_size} tokens; raise it")
+    runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+    description = (f"{files.path} on {device} in {str(dtype).removeprefix('torch.')}, "
+                   f"{torch.get_num_threads()} threads, loaded in "
+                   f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
+    return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
+                               description=description)

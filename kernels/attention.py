@@ -1,0 +1,72 @@
+"""Paged attention over a flattened batch (reference implementations).
+
+The KV cache of one layer is a pool of blocks, k_cache/v_cache [num_blocks, block_size, KVH, D];
+a sequence's tokens live in the blocks its block table lists, token i in block i // block_size at
+offset i % block_size. Query heads H are a multiple of KV heads (grouped-query attention).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, KVH, D] into the cache slots slot_mapping [T] (block * block_size + offset)."""
+    kvh, d = k.shape[1:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, KVH, max_blocks * block_size, D] contiguous keys/values."""
+    b, nb = block_tables.shape
+    _, bs, kvh, d = cache.shape
+    return cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    k = _gather(k_cache, block_tables)
+    v = _gather(v_cache, block_tables)
+    # Each KV head serves a group of query heads: lay the group out as the "query length".
+    qg = q.view(b, kvh, h // kvh, d)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, d)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int], scale: float,
+) -> torch.Tensor:
+    """Variable-length chunks q [sum(query_lens), H, D]; chunk i holds the last query_lens[i] of
+    its sequence's context_lens[i] tokens (earlier ones already cached), causal within the chunk."""
+    h = q.shape[1]
+    kvh = k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        nb = -(-ctx // k_cache.shape[1])
+        k = _gather(k_cache, block_tables[i : i + 1, :nb])[:, :, :ctx]
+        v = _gather(v_cache, block_tables[i : i + 1, :nb])[:, :, :ctx]
+        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if ctx == n:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=h != kvh)
+        else:
+            # Query t sits at position ctx - n + t and sees every key up to and including it.
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=h != kvh)
+        out[start : start + n] = o[0].transpose(0, 1)
+        start += n
+    return out

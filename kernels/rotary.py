@@ -1,0 +1,49 @@
+"""Rotary position embedding, Hugging Face (rotate-half) layout (reference)."""
+
+import math
+
+import torch
+
+
+def rotary_cache(
+    head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
+) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    # float32 throughout, as the Hugging Face reference computes it, so angles match bit for bit.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling:
+        inv_freq = _scale(inv_freq, scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, KVH, D] rotated by their token's position."""
+    cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,1 @@
+"""The scheduler process: queues, batching, the KV block manager and stop checks."""

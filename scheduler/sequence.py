@@ -1,0 +1,45 @@
+"""One request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from surge.protocol import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+                 sampling: SamplingParams, seed: int, arrival_time: float) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens whose K/V are in the cache; after preemption this drops to 0 (recompute).
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.sampling = sampling
+        self.seed = seed
+        self.arrival_time = arrival_time
+        self.status = Status.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,1 @@
+"""The frontend process: OpenAI-compatible HTTP/SSE API, tokenization and detokenization."""

@@ -1,0 +1,64 @@
+"""The frontend's side of the ZeroMQ link to the scheduler: submit, abort, and route outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from surge.protocol import (
+    AbortRequest,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestOutput,
+    SchedulerMessage,
+    encode,
+)
+from surge.runtime import Channels
+
+log = logging.getLogger("surge.frontend")
+
+
+class EngineClient:
+    def __init__(self, channels: Channels) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.requests = self.ctx.socket(zmq.PUSH)
+        self.requests.connect(channels.requests)
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.bind(channels.outputs)
+        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_outputs())
+
+    async def _read_outputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(SchedulerMessage)
+        while True:
+            msg = decoder.decode(await self.outputs.recv())
+            if isinstance(msg, EngineReady):
+                self.ready.set_result(msg)
+                continue
+            assert isinstance(msg, EngineOutputs)
+            for out in msg.outputs:
+                stream = self.streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+                    if out.finish_reason is not None:
+                        del self.streams[out.request_id]
+
+    def submit(self, request: EngineRequest) -> asyncio.Queue[RequestOutput]:
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.streams[request.request_id] = stream
+        self.requests.send(encode(request))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None:
+            self.requests.send(encode(AbortRequest([request_id])))
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,56 @@
+"""OpenAI-style error bodies for every failure, whoever raised it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+log = logging.getLogger("surge.frontend")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e.status, e.message, e.param, e.code)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = {404: f"no such path: {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"request body is larger than the limit of "
+                        f"{request.app['max_body_bytes']} bytes"}.get(e.status, e.reason)
+        response = error_response(e.status, message)
+        if e.status == 405 and "Allow" in e.headers:
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal server error; see the server log")

@@ -1,0 +1,83 @@
+"""One prompt through the engine, as a stream of text pieces, and many prompts merged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from msgspec import Struct
+
+from server.detokenizer import Detokenizer
+from server.engine_client import EngineClient
+from server.errors import ApiError
+from surge.protocol import EngineRequest, SamplingParams
+
+
+class Piece(Struct):
+    index: int  # which choice (prompt of a batch) this belongs to
+    text: str
+    num_tokens: int  # generated tokens this piece covers
+    finish_reason: str | None = None
+
+
+async def generate(engine: EngineClient, tokenizer: object, request_id: str, index: int,
+                   prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
+    """Text pieces of one completion; the request is aborted if the consumer stops early."""
+    stream = engine.submit(EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                         sampling=sampling, arrival_time=time.time()))
+    detok = Detokenizer(tokenizer, prompt_ids)
+    finished = False
+    try:
+        while not finished:
+            out = await stream.get()
+            finished = out.finish_reason is not None
+            if out.finish_reason == "error":
+                raise ApiError(503 if "worker" in (out.error or "") else 400,
+                               out.error or "the engine failed this request")
+            if out.finish_reason == "abort":
+                raise ApiError(503, "the request was aborted by the server")
+            shown = out.new_token_ids
+            if out.finish_reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
+                shown = shown[:-1]  # the stop token itself is not part of the text
+            text = detok.step(shown, final=finished)
+            if text or finished:
+                yield Piece(index, text, len(out.new_token_ids), out.finish_reason)
+    finally:
+        if not finished:
+            engine.abort(request_id)
+
+
+async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """Interleave several pieces streams as pieces arrive; an error in one ends them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for piece in stream:
+                yield piece
+        return
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put(piece)
+            await queue.put(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,57 @@
+"""The frontend process: load the tokenizer, serve HTTP on uvloop, stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from server.app import Frontend, build_app
+from server.engine_client import EngineClient
+from server.tokenizer import Tokenizer
+from surge.config import SurgeConfig
+from surge.model_files import default_name, max_model_len, resolve_model
+from surge.process import child_setup
+from surge.runtime import Channels
+
+log = logging.getLogger("surge.frontend")
+MAX_BODY_BYTES = 4 * 2**20
+
+
+async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    files = resolve_model(cfg.model.model)
+    tokenizer = Tokenizer(files)
+    engine = EngineClient(channels)
+    frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
+                        max_model_len(files))
+    runner = web.AppRunner(build_app(frontend, MAX_BODY_BYTES), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+    await site.start()
+    try:
+        ready_wait = asyncio.ensure_future(engine.ready)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([ready_wait, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if ready_wait.done():
+            ready = ready_wait.result()
+            frontend.kv_capacity_tokens = ready.num_blocks * ready.block_size
+            status.put(("frontend", f"serving {frontend.model_name!r} on "
+                                    f"http://{cfg.server.host}:{cfg.server.port}"))
+            await stop_wait
+        else:
+            ready_wait.cancel()
+    finally:
+        await runner.cleanup()
+        engine.close()
+
+
+def run_frontend(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
+    child_setup("frontend", cfg, raise_on_sigterm=False)
+    uvloop.run(_serve(cfg, channels, status))

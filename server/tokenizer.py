@@ -1,0 +1,25 @@
+"""The model's tokenizer and chat template (loaded from the GGUF file or the HF folder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from surge.model_files import ModelFiles
+
+
+class Tokenizer:
+    def __init__(self, files: ModelFiles) -> None:
+        from transformers import AutoTokenizer
+
+        kwargs = {"gguf_file": files.gguf_file} if files.gguf_file else {}
+        self.hf: Any = AutoTokenizer.from_pretrained(files.folder, **kwargs)
+        self.eos_token_ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        # Raw prompts get exactly the tokens of their text (no BOS), as the model card expects.
+        return self.hf(text, add_special_tokens=False).input_ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)

@@ -1,0 +1,157 @@
+"""Typed configuration: one msgspec Struct per concern, merged from defaults < TOML < SURGE_* < flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+
+class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: Annotated[
+        str,
+        Meta(description="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, "
+             "or a Hugging Face folder with config.json and *.safetensors"),
+    ] = "default"
+    served_model_name: Annotated[
+        str | None, Meta(description="model id shown by /v1/models (default: from the file)")
+    ] = None
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], Meta(description="where the model runs")
+    ] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Meta(description="serving dtype; auto picks bfloat16 where the hardware has it"),
+    ] = "auto"
+
+
+class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    host: Annotated[str, Meta(description="address the HTTP server binds")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535, description="HTTP port")] = 8000
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"], Meta(description="log verbosity")
+    ] = "info"
+    log_json: Annotated[bool, Meta(description="write logs as JSON lines")] = False
+
+
+class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    max_num_seqs: Annotated[
+        int, Meta(ge=1, description="most sequences in one step's batch")
+    ] = 128
+    max_num_batched_tokens: Annotated[
+        int, Meta(ge=1, description="most tokens (prefill + decode) in one step")
+    ] = 2048
+    block_size: Annotated[int, Meta(ge=1, le=1024, description="tokens per KV block")] = 16
+    kv_cache_memory: Annotated[
+        str,
+        Meta(description="KV cache budget: bytes with a unit (e.g. 96MiB, 2GiB) "
+             "or a fraction of free device memory (e.g. 0.8)"),
+    ] = "1GiB"
+
+
+class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+
+
+SECTIONS: dict[str, type[Struct]] = {
+    name: typing.get_type_hints(SurgeConfig)[name] for name in SurgeConfig.__struct_fields__
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+def _options() -> dict[str, tuple[str, Any]]:
+    """Every option name (unique across sections) -> (section, annotated type)."""
+    options: dict[str, tuple[str, Any]] = {}
+    for section, struct in SECTIONS.items():
+        for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+            assert name not in options, f"option {name} is defined twice"
+            options[name] = (section, hint)
+    return options
+
+
+def _description(hint: Any) -> str:
+    for meta in getattr(hint, "__metadata__", ()):
+        if isinstance(meta, Meta) and meta.description:
+            return meta.description
+    return ""
+
+
+def _is_bool(hint: Any) -> bool:
+    return typing.get_args(hint)[0] is bool if hasattr(hint, "__metadata__") else hint is bool
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one --flag per config field; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", default=None, help="TOML file (also SURGE_CONFIG)")
+    for name, (section, hint) in _options().items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{_description(hint)} [{section}.{name}, SURGE_{name.upper()}]"
+        if _is_bool(hint):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+
+
+def load_config(
+    flags: dict[str, Any] | None = None, env: typing.Mapping[str, str] | None = None
+) -> SurgeConfig:
+    """Build the config from defaults, the TOML file, SURGE_* variables and flags (flags win)."""
+    flags = flags or {}
+    env = os.environ if env is None else env
+    merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    path = flags.get("config") or env.get("SURGE_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        for section, values in data.items():
+            if section not in merged or not isinstance(values, dict):
+                raise ConfigError(
+                    f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}"
+                )
+            merged[section].update(values)
+    for name, (section, _) in _options().items():
+        if f"SURGE_{name.upper()}" in env:
+            merged[section][name] = env[f"SURGE_{name.upper()}"]
+        if flags.get(name) is not None:
+            merged[section][name] = flags[name]
+    try:
+        return msgspec.convert(merged, SurgeConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from e
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: str, free_bytes: int) -> int:
+    """'96MiB' -> bytes; '0.8' -> that fraction of free_bytes."""
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if amount <= 0 or unit not in _UNITS:
+        raise ConfigError(
+            f"kv_cache_memory={value!r}: use bytes with a unit (e.g. 512MiB, 2GiB) "
+            "or a fraction of free memory between 0 and 1 (e.g. 0.8)"
+        )
+    if unit == "" and amount <= 1:
+        return int(amount * free_bytes)
+    return int(amount * _UNITS[unit])

@@ -1,0 +1,118 @@
+"""`surge serve`: start the workers, scheduler and frontend, watch them, and stop them cleanly."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from shm.ring import RingBuffer
+from surge.config import SurgeConfig
+from surge.log import setup_logging
+from surge.runtime import Channels
+
+log = logging.getLogger("surge.supervisor")
+_STOP_TIMEOUT_S = 10.0
+
+
+class Supervisor:
+    def __init__(self, cfg: SurgeConfig) -> None:
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.channels = Channels.create()
+        self.status: Any = self.ctx.Queue()
+        self.procs: list[BaseProcess] = []
+        self.stopping = False
+        self.ring: RingBuffer | None = None
+
+    def _start(self, name: str, target: Any, *args: Any) -> None:
+        proc = self.ctx.Process(target=target, name=name, args=(self.cfg, self.channels, *args),
+                                daemon=False)
+        proc.start()
+        self.procs.append(proc)
+
+    def start(self) -> None:
+        from gpu_workers.worker import run_worker
+        from scheduler.loop import run_scheduler
+        from server.main import run_frontend
+
+        # The supervisor owns the shared-memory segment, so it is removed however children end.
+        self.ring = RingBuffer.create(self.channels.plan_ring, num_readers=1)
+        self._start("worker 0", run_worker, 0, self.status)
+        self._start("scheduler", run_scheduler, self.status)
+        self._start("frontend", run_frontend, self.status)
+
+    def wait_ready(self) -> bool:
+        """Wait for every child's ready report; False if one died or a stop was asked first."""
+        pending = {p.name for p in self.procs}
+        while pending and not self.stopping:
+            try:
+                name, info = self.status.get(timeout=0.2)
+            except queue.Empty:
+                if dead := [p for p in self.procs if p.exitcode is not None]:
+                    log.error("%s exited with code %s during start-up", dead[0].name,
+                              dead[0].exitcode)
+                    return False
+                continue
+            log.info("%s ready: %s", name, info)
+            pending.discard(name)
+        return not pending
+
+    def watch(self) -> int:
+        """Block until a stop signal or a child's death; the exit code for `surge serve`."""
+        while not self.stopping:
+            ready = wait([p.sentinel for p in self.procs], timeout=0.2)
+            if ready:
+                dead = next(p for p in self.procs if p.exitcode is not None)
+                log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
+                          dead.exitcode)
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        """Stop the frontend first (no new work), then the scheduler, then the workers."""
+        for proc in reversed(self.procs):
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(_STOP_TIMEOUT_S)
+            if proc.is_alive():
+                log.warning("%s did not stop in %.0fs; killing it", proc.name, _STOP_TIMEOUT_S)
+                proc.kill()
+                proc.join()
+        self.status.close()
+        self.status.join_thread()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring.unlink()
+        self.channels.remove()
+
+
+def serve(cfg: SurgeConfig) -> int:
+    setup_logging(cfg.server.log_level, cfg.server.log_json, "supervisor")
+    sup = Supervisor(cfg)
+
+    def request_stop(signum: int, frame: object) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        sup.stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    started = time.monotonic()
+    code = 1
+    try:
+        sup.start()
+        if sup.wait_ready():
+            print(f"surge ready on http://{cfg.server.host}:{cfg.server.port} "
+                  f"(started in {time.monotonic() - started:.1f}s)", file=sys.stderr, flush=True)
+            code = sup.watch()
+        elif sup.stopping:
+            code = 0
+    finally:
+        sup.stop()
+    return code
