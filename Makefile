@@ -21,9 +21,11 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/surge serve $(ARGS)
 
+# pytest's exit code 5 (nothing collected) counts as a failure.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_ARGS); code=$$?; \
+	  if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -78,7 +78,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp stores Q/K rows interleaved for its rotary layout; restore the rotate-half order."""
+    """llama.cpp stores Q/K rows interleaved for its rotary layout; restore rotate-half order."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
         w.shape)
 

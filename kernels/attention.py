@@ -13,7 +13,7 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, KVH, D] into the cache slots slot_mapping [T] (block * block_size + offset)."""
+    """Write k, v [T, KVH, D] into cache slots slot_mapping [T] (block * block_size + offset)."""
     kvh, d = k.shape[1:]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)

@@ -94,7 +94,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.blocks.blocks_needed(seq, seq.num_computed_tokens + n) > self.blocks.num_free:
+            need = seq.num_computed_tokens + n
+            while self.blocks.blocks_needed(seq, need) > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:

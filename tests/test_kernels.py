@@ -1,0 +1,77 @@
+"""Kernel references against a dense, obviously-correct attention on random paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import add_rms_norm, decode_attention, prefill_attention, store_kv
+
+
+def _dense(q, k, v, q_positions, scale):
+    """q [n, H, D] at q_positions over k/v [ctx, KVH, D]; each query sees keys <= its position."""
+    h, kvh = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // kvh, dim=1)
+    v = v.repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = torch.arange(k.shape[0])[None, :] > q_positions[:, None]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _paged(lengths, block_size, kvh, d, num_blocks=64, seed=0):
+    """Random K/V for sequences of the given lengths, scattered over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    # Unwritten slots hold a huge finite value: any of it leaking through the mask shows. (The
+    # worker's pool starts zeroed, so stale slots are always finite.)
+    k_cache = torch.full((num_blocks, block_size, kvh, d), 1e4)
+    v_cache = torch.full_like(k_cache, 1e4)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for n in lengths:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+        slots = torch.tensor([table[i // block_size] * block_size + i % block_size
+                              for i in range(n)])
+        store_kv(k, v, k_cache, v_cache, slots)
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return k_cache, v_cache, padded, ks, vs
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("h", "kvh"), [(4, 4), (9, 3), (8, 1)])
+def test_decode_attention(block_size, h, kvh):
+    lengths = [1, 5, block_size, block_size + 1, 37]
+    k_cache, v_cache, tables, ks, vs = _paged(lengths, block_size, kvh, 8)
+    q = torch.randn(len(lengths), h, 8)
+    out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 0.3)
+    for i, n in enumerate(lengths):
+        want = _dense(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]), 0.3)
+        torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize(("h", "kvh"), [(4, 2), (9, 3)])
+def test_prefill_attention_with_cached_context(block_size, h, kvh):
+    context = [7, 20, 33, 5]
+    query = [7, 3, 17, 1]  # the first chunk is a fresh prompt; the others follow cached tokens
+    k_cache, v_cache, tables, ks, vs = _paged(context, block_size, kvh, 8, seed=1)
+    q = torch.randn(sum(query), h, 8)
+    out = prefill_attention(q, k_cache, v_cache, tables, query, context, 0.25)
+    start = 0
+    for i, (n, ctx) in enumerate(zip(query, context, strict=True)):
+        want = _dense(q[start : start + n], ks[i], vs[i], torch.arange(ctx - n, ctx), 0.25)
+        torch.testing.assert_close(out[start : start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_add_rms_norm_matches_definition():
+    x, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    normed, residual = add_rms_norm(x, r, w, 1e-6)
+    s = x + r
+    torch.testing.assert_close(residual, s)
+    torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -1,0 +1,141 @@
+"""Scheduler and worker processes through the real ZeroMQ + shared-memory transport."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from gpu_workers.worker import run_worker
+from scheduler.loop import run_scheduler
+from shm.ring import RingBuffer
+from surge.config import load_config
+from surge.protocol import (
+    AbortRequest,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    SamplingParams,
+    SchedulerMessage,
+    encode,
+)
+from surge.runtime import Channels
+from tests.tiny_model import hf_greedy, save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tiny"))
+    save_tiny_llama(folder)
+    return folder
+
+
+class Engine:
+    """The scheduler + one worker, with this test in the frontend's seat."""
+
+    def __init__(self, model: str, **scheduler: object) -> None:
+        env = {"SURGE_MODEL": model, "SURGE_DTYPE": "float32", "SURGE_KV_CACHE_MEMORY": "8MiB"}
+        env.update({f"SURGE_{k.upper()}": str(v) for k, v in scheduler.items()})
+        self.cfg = load_config({}, env)
+        self.channels = Channels.create()
+        self.ring = RingBuffer.create(self.channels.plan_ring)
+        self.zmq = zmq.Context()
+        self.outputs = self.zmq.socket(zmq.PULL)
+        self.outputs.bind(self.channels.outputs)
+        self.requests = self.zmq.socket(zmq.PUSH)
+        self.requests.connect(self.channels.requests)
+        ctx = mp.get_context("spawn")
+        status = ctx.Queue()
+        self.procs = [ctx.Process(target=run_worker, args=(self.cfg, self.channels, 0, status)),
+                      ctx.Process(target=run_scheduler, args=(self.cfg, self.channels, status))]
+        for p in self.procs:
+            p.start()
+        self.decoder = msgspec.msgpack.Decoder(SchedulerMessage)
+        ready = self._recv(120)
+        assert isinstance(ready, EngineReady), ready
+        self.ready = ready
+
+    def _recv(self, timeout: float):
+        assert self.outputs.poll(int(timeout * 1000)), "no message from the scheduler"
+        return self.decoder.decode(self.outputs.recv())
+
+    def submit(self, rid: str, prompt: list[int], max_tokens: int, **sampling: object) -> None:
+        self.requests.send(encode(EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, arrival_time=time.time(),
+            sampling=SamplingParams(max_tokens=max_tokens, **sampling))))
+
+    def collect(self, n: int, timeout: float = 60) -> dict[str, tuple[list[int], str]]:
+        done: dict[str, tuple[list[int], str]] = {}
+        tokens: dict[str, list[int]] = {}
+        while len(done) < n:
+            msg = self._recv(timeout)
+            assert isinstance(msg, EngineOutputs)
+            for out in msg.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason:
+                    done[out.request_id] = (tokens[out.request_id], out.finish_reason)
+        return done
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+            p.join(10)
+        codes = [p.exitcode for p in self.procs]
+        self.zmq.destroy(linger=0)
+        self.ring.unlink()
+        self.channels.remove()
+        assert codes == [0, 0], codes
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = Engine(tiny_model, block_size=4, max_num_batched_tokens=24)
+    yield eng
+    eng.close()
+
+
+def test_greedy_through_the_transport_matches_reference(engine, tiny_model):
+    prompts = {f"r{i}": [(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)] for i in range(5)}
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, 12, temperature=0.0)
+    done = engine.collect(len(prompts))
+    for rid, prompt in prompts.items():
+        tokens, reason = done[rid]
+        assert reason == "length"
+        assert tokens == hf_greedy(tiny_model, prompt, 12), rid
+
+
+def test_stop_token_and_abort(engine, tiny_model):
+    # A prompt whose greedy continuation brings a new token after a few steps: stop on that.
+    for start in range(1, 200):
+        prompt = [start, start + 1, start + 2, start + 3]
+        greedy = hf_greedy(tiny_model, prompt, 8)
+        k = next((k for k in range(2, 8) if greedy[k] not in greedy[:k]), None)
+        if k is not None:
+            break
+    assert k is not None
+    engine.submit("stops", prompt, 50, temperature=0.0, stop_token_ids=[greedy[k]])
+    tokens, reason = engine.collect(1)["stops"]
+    assert (tokens, reason) == (greedy[: k + 1], "stop")
+    engine.submit("long", prompt, 400, temperature=0.0)
+    engine.requests.send(encode(AbortRequest(["long"])))
+    tokens, reason = engine.collect(1)["long"]
+    assert reason == "abort" and len(tokens) < 400
+
+
+def test_oversized_request_is_refused(engine):
+    capacity = engine.ready.num_blocks * engine.ready.block_size
+    engine.submit("huge", [1] * 10, capacity, temperature=0.0)
+    tokens, reason = engine.collect(1)["huge"]
+    assert reason == "error" and tokens == []
+
+
+def test_nothing_left_behind(tiny_model):
+    eng = Engine(tiny_model)
+    ring_path, runtime = eng.ring.path, eng.channels.runtime_dir
+    eng.close()
+    assert not os.path.exists(ring_path) and not os.path.exists(runtime)

@@ -1,0 +1,90 @@
+"""Stopping surge leaves no process, socket file or shared-memory segment behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def _complete(server: ServerProcess) -> str:
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything_cleanly(tmp_path, sig):
+    shm_before = set(os.listdir("/dev/shm"))
+    server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    children = _descendants(server.proc.pid)
+    titles = set()
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline") as f:
+            titles.add(f.read().strip("\0").split("\0")[0])
+    assert {"surge: frontend", "surge: scheduler", "surge: worker 0"} <= titles
+    assert os.listdir(tmp_path), "the runtime dir should exist while serving"
+    assert _complete(server)
+    assert server.stop(sig) == 0, server.output()
+    assert not _alive(children)
+    assert os.listdir(tmp_path) == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_killed_supervisor_leaves_no_orphans_and_is_swept(tmp_path):
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    server = ServerProcess(env=env).wait_ready()
+    children = _descendants(server.proc.pid)
+    server.proc.kill()
+    server.proc.wait()
+    deadline = time.monotonic() + 15
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(children), "children outlived a SIGKILLed supervisor"
+    # Its runtime dir and segment are left; the next start sweeps them.
+    (stale,) = os.listdir(tmp_path)
+    assert glob.glob(f"/dev/shm/{stale}-*")
+    again = ServerProcess(env=env).wait_ready()
+    assert stale not in os.listdir(tmp_path)
+    assert not glob.glob(f"/dev/shm/{stale}-*")
+    assert again.stop() == 0
