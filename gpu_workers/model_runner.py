@@ -6,7 +6,7 @@ import torch
 
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import sample
-from surge.protocol import ScheduledSeq, StepPlan
+from surge.protocol import PREVIOUS_TOKEN, ScheduledSeq, StepPlan
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -33,6 +33,8 @@ class ModelRunner:
         self.device = device
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size), dtype=dtype,
                                     device=device)
+        # What the last step sampled, for plans made before it finished (PREVIOUS_TOKEN).
+        self.last_sampled: dict[int, int] = {}
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[int]:
@@ -43,6 +45,7 @@ class ModelRunner:
         ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
         want = [i for i, s in enumerate(seqs) if s.sample]
         if not want:
+            self.last_sampled = {}
             return []
         logits = self.model.logits(hidden[ends[want].to(self.device)])
         picked = [seqs[i] for i in want]
@@ -53,15 +56,18 @@ class ModelRunner:
             torch.tensor([s.start_pos + len(s.token_ids) for s in picked], device=self.device),
         ).tolist()
         # Back to plan order, which is how the scheduler reads them.
-        by_seq = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}
-        return [by_seq[s.seq_id] for s in plan.seqs if s.sample]
+        self.last_sampled = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}
+        return [self.last_sampled[s.seq_id] for s in plan.seqs if s.sample]
 
     def _prepare(self, seqs: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         lens = [len(s.token_ids) for s in seqs]
         num_decode = sum(1 for n in lens if n == 1)
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        last = self.last_sampled
+        input_ids = torch.tensor(
+            [t if t != PREVIOUS_TOKEN else last[s.seq_id] for s in seqs for t in s.token_ids],
+            dtype=torch.int64)
         starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
         counts = torch.tensor(lens, dtype=torch.int64)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)), counts)

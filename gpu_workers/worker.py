@@ -64,13 +64,18 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
         results.send(encode(ready))
         status.put((f"worker {rank}", ready.description))
         decoder = msgspec.msgpack.Decoder(PlanMessage)
+        idle_since = time.perf_counter()
         while True:
             msg = decoder.decode(ring.get())
             if isinstance(msg, Shutdown):
                 break
+            started = time.perf_counter()
             tokens = runner.run(msg)
             if rank == 0:
-                results.send(encode(StepResult(msg.step_id, tokens)))
+                results.send(encode(StepResult(
+                    msg.step_id, tokens, compute_s=time.perf_counter() - started,
+                    wait_s=started - idle_since)))
+            idle_since = time.perf_counter()
     except (SystemExit, RingClosed):
         pass
     except BaseException as e:

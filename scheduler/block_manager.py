@@ -1,21 +1,38 @@
-"""Fixed-size KV blocks: a free pool and each sequence's block table."""
+"""Fixed-size KV blocks with reference counts and a prefix cache.
+
+A full block is named by a hash chained over its tokens and its parent block's hash, so equal
+names mean equal prefixes. A sequence starting with a cached prefix takes references on those
+blocks instead of recomputing them. Blocks nobody references but whose contents are named stay
+cached, and are evicted least recently used first when a fresh block is needed.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from scheduler.sequence import Sequence
 
 
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.prefix_cache = prefix_cache
+        self.ref_count = [0] * num_blocks
+        self.unnamed: deque[int] = deque(range(num_blocks))  # free, contents meaningless
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but named, LRU first
+        self.name_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self.by_hash: dict[int, int] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.unnamed) + len(self.evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -24,12 +41,90 @@ class BlockManager:
         """New blocks seq needs so that its first num_tokens tokens have slots."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
+    # ---- prefix cache ----
+
+    def lookup(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest prefix of token_ids (no references taken). At least
+        one token is always left to compute, since the step must produce its logits."""
+        if not self.prefix_cache:
+            return []
+        hits: list[int] = []
+        parent = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % bs, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            h = block_hash(parent, tokens)
+            block = self.by_hash.get(h)
+            if block is None or self.name_of[block][1] != tokens:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def can_admit(self, hits: list[int], num_tokens: int) -> bool:
+        """Whether a sequence reusing `hits` can get slots for its first num_tokens tokens."""
+        reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
+        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - reused_free
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Start seq on its cached prefix: a reference on each hit, those tokens computed."""
+        assert not seq.block_table
+        for block in hits:
+            self._take(block)
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.name_of[b][0] for b in hits]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_computed_tokens
+
+    def name_full_blocks(self, seq: Sequence) -> None:
+        """Name every block of seq that its computed tokens now fill, so others can reuse it."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        # Only tokens we know: a step planned ahead computes a token not sampled yet.
+        full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.by_hash and block not in self.name_of:
+                self.by_hash[h] = block
+                self.name_of[block] = (h, tokens)
+
+    # ---- allocation ----
+
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            self.evictable.pop(block, None)
+        self.ref_count[block] += 1
+
+    def _fresh_block(self) -> int:
+        if self.unnamed:
+            block = self.unnamed.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            h, _ = self.name_of.pop(block)
+            del self.by_hash[h]
+        self.ref_count[block] = 1
+        return block
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to cover num_tokens; the caller checked blocks_needed first."""
         need = self.blocks_needed(seq, num_tokens)
         assert need <= self.num_free, f"{seq} needs {need} blocks, {self.num_free} free"
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        seq.block_table.extend(self._fresh_block() for _ in range(need))
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.block_table)
+        """Drop seq's references; a block nobody holds stays cached if it is named."""
+        for block in reversed(seq.block_table):  # the tail is evicted before the shared head
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                if block in self.name_of:
+                    self.evictable[block] = None
+                else:
+                    self.unnamed.append(block)
         seq.block_table = []
+        seq.block_hashes = []

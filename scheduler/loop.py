@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -17,8 +19,10 @@ from surge.protocol import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineStats,
     FrontendMessage,
     RequestOutput,
+    StepPlan,
     StepResult,
     WorkerFailed,
     WorkerMessage,
@@ -29,6 +33,7 @@ from surge.runtime import Channels
 
 log = logging.getLogger("surge.scheduler")
 _IDLE_POLL_MS = 200
+_STATS_INTERVAL_S = 1.0
 
 
 class WorkerError(RuntimeError):
@@ -50,6 +55,12 @@ class SchedulerLoop:
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.generated_tokens = 0
+        self.worker_compute_s = 0.0
+        self.worker_wait_s = 0.0
+        self._stats_sent = 0.0
 
     def _worker_message(self) -> Any:
         msg = self.worker_decoder.decode(self.results.recv())
@@ -91,18 +102,69 @@ class SchedulerLoop:
             self.outputs.send(encode(EngineOutputs(errors)))
 
     def run(self) -> None:
+        """Keep up to two steps in flight (one computing, the next queued behind it), so the
+        worker never waits for this loop; one at a time without async_scheduling."""
         sched = self.scheduler
         assert sched is not None
+        depth = 2 if self.cfg.scheduler.async_scheduling else 1
+        inflight: deque[StepPlan] = deque()
+        stalled = continuous = False
         while True:
-            self._take_requests(0 if sched.has_work() else _IDLE_POLL_MS)
-            plan = sched.schedule()
-            if plan is None:
-                continue
-            self.ring.put(encode(plan))
-            result = self._worker_message()
-            assert isinstance(result, StepResult), result
-            if outputs := sched.update(plan, result):
-                self.outputs.send(encode(EngineOutputs(outputs)))
+            busy = bool(inflight) or (sched.has_work() and not stalled)
+            self._take_requests(0 if busy else (5 if stalled else _IDLE_POLL_MS))
+            if not inflight:
+                self._gather_batch()
+            plan = sched.schedule() if len(inflight) < depth else None
+            if plan is not None:
+                self.ring.put(encode(plan))
+                inflight.append(plan)
+                self.steps += 1
+                self.scheduled_tokens += sum(len(s.token_ids) for s in plan.seqs)
+            stalled = plan is None and not inflight and sched.has_work()
+            if inflight and (plan is None or len(inflight) == depth):
+                result = self._worker_message()
+                assert isinstance(result, StepResult), result
+                self.worker_compute_s += result.compute_s
+                if continuous:  # the worker's wait before an idle engine's first step is not
+                    self.worker_wait_s += result.wait_s  # overhead, just an empty queue
+                outputs = sched.update(inflight.popleft(), result)
+                continuous = sched.has_work()
+                self.generated_tokens += len(outputs)
+                if outputs:
+                    self.outputs.send(encode(EngineOutputs(outputs)))
+            self._send_stats()
+
+    def _gather_batch(self) -> None:
+        """With batch_wait_ms, an idle engine waits a moment after the first arrival so that
+        requests arriving together start in one step."""
+        sched = self.scheduler
+        assert sched is not None
+        wait_s = self.cfg.scheduler.batch_wait_ms / 1000
+        if not wait_s or sched.running or not sched.waiting:
+            return
+        deadline = sched.waiting[0].arrival_time + wait_s
+        budget = self.cfg.scheduler.max_num_batched_tokens
+        while (remaining := deadline - time.time()) > 0 and len(sched.waiting) < \
+                self.cfg.scheduler.max_num_seqs and \
+                sum(s.num_tokens for s in sched.waiting) < budget:
+            self._take_requests(max(1, int(remaining * 1000)))
+
+    def _send_stats(self) -> None:
+        now = time.time()
+        if now - self._stats_sent < _STATS_INTERVAL_S:
+            return
+        self._stats_sent = now
+        sched = self.scheduler
+        assert sched is not None
+        blocks = sched.blocks
+        self.outputs.send(encode(EngineStats(
+            time=now, running=len(sched.running), waiting=len(sched.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free,
+            kv_blocks_total=blocks.num_blocks,
+            prefix_queried_tokens=blocks.queried_tokens, prefix_hit_tokens=blocks.hit_tokens,
+            preemptions=sched.num_preemptions, steps=self.steps,
+            scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
+            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)))
 
     def fail_all(self, reason: str) -> None:
         """Give every request in the scheduler a terminal error: nothing is silently lost."""
@@ -118,13 +180,18 @@ class SchedulerLoop:
         self.zmq.destroy(linger=200)
 
 
+def capacity_report(num_blocks: int, block_size: int) -> str:
+    fits = ", ".join(f"{num_blocks // -(-n // block_size)} of {n}" for n in (512, 2048, 8192))
+    return (f"KV cache: {num_blocks} blocks of {block_size} tokens = "
+            f"{num_blocks * block_size} tokens; concurrent sequences at full length: {fits}")
+
+
 def run_scheduler(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     child_setup("scheduler", cfg)
     loop = SchedulerLoop(cfg, channels, num_workers=1)
     try:
         ready = loop.wait_for_workers()
-        status.put(("scheduler", f"{ready.num_blocks} KV blocks of {ready.block_size} tokens "
-                                 f"({ready.num_blocks * ready.block_size} tokens)"))
+        status.put(("scheduler", capacity_report(ready.num_blocks, ready.block_size)))
         loop.run()
     except WorkerError as e:
         log.error("%s", e)

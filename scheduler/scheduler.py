@@ -1,4 +1,10 @@
-"""Continuous batching: which sequences run in the next step, and what their results mean."""
+"""Continuous batching: which sequences run in the next step, and what their results mean.
+
+A step may be planned while earlier ones are still running on the worker (overlapped steps):
+a sequence whose last token is still being sampled feeds PREVIOUS_TOKEN, which the worker fills
+in. Workers run plans strictly in order, so a block freed or reused here is only written by a
+later step after every earlier step has finished with it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence, Status
 from surge.config import SchedulerConfig
 from surge.protocol import (
+    PREVIOUS_TOKEN,
     EngineRequest,
     RequestOutput,
     ScheduledSeq,
@@ -23,9 +30,9 @@ log = logging.getLogger("surge.scheduler")
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, num_blocks: int) -> None:
         self.cfg = cfg
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
@@ -49,7 +56,7 @@ class Scheduler:
                                  f"request id {req.request_id} is already in use")
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
-                       seed, req.arrival_time)
+                       seed, req.arrival_time, req.priority)
         self._next_seq_id += 1
         self.requests[req.request_id] = seq
         self.seqs[seq.seq_id] = seq
@@ -76,7 +83,8 @@ class Scheduler:
         del self.seqs[seq.seq_id]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and queue it first in line; it recomputes from its tokens so far."""
+        """Free seq's blocks and queue it first in line; it recomputes from its tokens so far
+        (mostly from the prefix cache, if its blocks survive)."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
@@ -85,32 +93,48 @@ class Scheduler:
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
 
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """The least urgent sequence, the latest arrival among equals."""
+        return max(reversed(candidates), key=lambda s: (s.priority, s.arrival_time))
+
     def schedule(self) -> StepPlan | None:
-        """Pack the next step: running sequences first (oldest first), then waiting ones, within
-        the token budget; long prompts are split into chunks across steps."""
+        """Pack the next step within the token budget: decodes first, then the chunks of
+        prompts being prefilled, then waiting requests (long prompts split across steps)."""
         budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
-        for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
+        # Sorting is stable: admission order holds within the decodes and within the prefills.
+        for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or not seq.wants_more:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
+            if n == 0:
+                continue
             need = seq.num_computed_tokens + n
             while self.blocks.blocks_needed(seq, need) > self.blocks.num_free:
-                victim = self.running[-1]
+                # Never a sequence already in this step: its slots are about to be written.
+                taken = {s.seq_id for s, _ in chosen}
+                victim = self._victim([s for s in self.running if s.seq_id not in taken])
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.blocks.allocate(seq, seq.num_computed_tokens + n)
+                self.blocks.allocate(seq, need)
                 chosen.append((seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+            if seq.num_pending:
+                break  # preempted with a token still in flight: resume once it is known
+            hits = self.blocks.lookup(seq.token_ids)
+            cached = len(hits) * self.cfg.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.blocks.can_admit(hits, cached + n):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            self.blocks.admit(seq, hits)
+            self.blocks.allocate(seq, cached + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chosen.append((seq, n))
@@ -123,16 +147,16 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        tokens = seq.token_ids[start : start + n]
+        tokens += [PREVIOUS_TOKEN] * (n - len(tokens))
         seq.num_computed_tokens += n
+        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        seq.num_pending += sample
+        self.blocks.name_full_blocks(seq)
         return ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + n],
-            start_pos=start,
-            block_table=list(seq.block_table),
-            sample=seq.num_computed_tokens == seq.num_tokens,
-            temperature=seq.sampling.temperature,
-            seed=seq.seed,
-        )
+            seq_id=seq.seq_id, token_ids=tokens, start_pos=start,
+            block_table=list(seq.block_table), sample=sample,
+            temperature=seq.sampling.temperature, seed=seq.seed)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each sampled token, apply the stop checks, free what finished."""
@@ -145,8 +169,9 @@ class Scheduler:
             token = next(sampled)
             seq = self.seqs.get(item.seq_id)
             if seq is None:
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran
             seq.token_ids.append(token)
+            seq.num_pending -= 1
             reason = None
             if token in seq.sampling.stop_token_ids:
                 reason = "stop"
@@ -154,5 +179,7 @@ class Scheduler:
                 reason = "length"
             if reason:
                 self._finish(seq)
+            else:
+                self.blocks.name_full_blocks(seq)
             outputs.append(RequestOutput(seq.request_id, [token], reason))
         return outputs

@@ -15,17 +15,22 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams, seed: int, arrival_time: float) -> None:
+                 sampling: SamplingParams, seed: int, arrival_time: float,
+                 priority: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         # Tokens whose K/V are in the cache; after preemption this drops to 0 (recompute).
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight: known to the worker, not yet to us.
+        self.num_pending = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache names of the full blocks, in order
         self.sampling = sampling
         self.seed = seed
         self.arrival_time = arrival_time
+        self.priority = priority  # lower is more urgent
         self.status = Status.WAITING
 
     @property
@@ -37,8 +42,9 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.sampling.max_tokens
+    def wants_more(self) -> bool:
+        """Whether another token may be sampled beyond those known and pending."""
+        return self.num_output_tokens + self.num_pending < self.sampling.max_tokens
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -175,6 +175,11 @@ class Frontend:
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "surge", "max_model_len": self.max_model_len}]})
 
+    async def stats(self, request: web.Request) -> web.Response:
+        """The scheduler's latest running totals (sent about once a second while it works)."""
+        stats = self.engine.stats
+        return self._json({} if stats is None else msgspec.to_builtins(stats))
+
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
@@ -249,6 +254,7 @@ def build_app(frontend: Frontend, max_body_bytes: int) -> web.Application:
     app["max_body_bytes"] = max_body_bytes
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
+    app.router.add_get("/stats", frontend.stats)
     app.router.add_post("/v1/completions", frontend.completions)
     app.router.add_post("/v1/chat/completions", frontend.chat_completions)
     return app

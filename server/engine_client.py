@@ -14,6 +14,7 @@ from surge.protocol import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineStats,
     RequestOutput,
     SchedulerMessage,
     encode,
@@ -32,6 +33,7 @@ class EngineClient:
         self.outputs.bind(channels.outputs)
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
+        self.stats: EngineStats | None = None
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -40,6 +42,9 @@ class EngineClient:
             msg = decoder.decode(await self.outputs.recv())
             if isinstance(msg, EngineReady):
                 self.ready.set_result(msg)
+                continue
+            if isinstance(msg, EngineStats):
+                self.stats = msg
                 continue
             assert isinstance(msg, EngineOutputs)
             for out in msg.outputs:

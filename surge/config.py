@@ -47,6 +47,16 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=1, description="most tokens (prefill + decode) in one step")
     ] = 2048
     block_size: Annotated[int, Meta(ge=1, le=1024, description="tokens per KV block")] = 16
+    prefix_cache: Annotated[
+        bool, Meta(description="reuse the KV blocks of shared prompt prefixes")
+    ] = True
+    async_scheduling: Annotated[
+        bool, Meta(description="plan step N+1 while the worker runs step N")
+    ] = True
+    batch_wait_ms: Annotated[
+        float, Meta(ge=0, le=1000, description="when idle, wait this long for more arrivals "
+                    "before the first step (0: never wait)")
+    ] = 0.0
     kv_cache_memory: Annotated[
         str,
         Meta(description="KV cache budget: bytes with a unit (e.g. 96MiB, 2GiB) "

@@ -22,6 +22,7 @@ class EngineRequest(Struct, tag=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    priority: int = 0  # lower is served first (vLLM's convention)
 
 
 class AbortRequest(Struct, tag=True):
@@ -43,6 +44,24 @@ class EngineOutputs(Struct, tag=True):
     outputs: list[RequestOutput]
 
 
+class EngineStats(Struct, tag=True, kw_only=True):
+    """Running totals from the scheduler, sent about once a second while it works."""
+
+    time: float
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    steps: int
+    scheduled_tokens: int
+    generated_tokens: int
+    worker_compute_s: float
+    worker_wait_s: float
+
+
 class EngineReady(Struct, tag=True, kw_only=True):
     """Sent once the workers have loaded the model and the KV cache is sized."""
 
@@ -52,6 +71,11 @@ class EngineReady(Struct, tag=True, kw_only=True):
 
 
 # ---- scheduler -> workers (shared-memory ring, broadcast) ----
+
+
+# In ScheduledSeq.token_ids: "the token you sampled for this sequence in the previous step",
+# which the scheduler does not know yet when it plans the next step ahead.
+PREVIOUS_TOKEN = -1
 
 
 class ScheduledSeq(Struct, array_like=True):
@@ -86,6 +110,8 @@ class WorkerReady(Struct, tag=True, kw_only=True):
 class StepResult(Struct, tag=True):
     step_id: int
     sampled_token_ids: list[int]  # one per ScheduledSeq with sample=True, in plan order
+    compute_s: float = 0.0  # the worker's time on this step
+    wait_s: float = 0.0  # how long the worker waited for this plan after the previous step
 
 
 class WorkerFailed(Struct, tag=True):
@@ -94,7 +120,7 @@ class WorkerFailed(Struct, tag=True):
 
 
 FrontendMessage = EngineRequest | AbortRequest
-SchedulerMessage = EngineOutputs | EngineReady
+SchedulerMessage = EngineOutputs | EngineReady | EngineStats
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 PlanMessage = StepPlan | Shutdown
 

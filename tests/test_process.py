@@ -19,6 +19,7 @@ from surge.protocol import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineStats,
     SamplingParams,
     SchedulerMessage,
     encode,
@@ -73,6 +74,8 @@ class Engine:
         tokens: dict[str, list[int]] = {}
         while len(done) < n:
             msg = self._recv(timeout)
+            if isinstance(msg, EngineStats):
+                continue
             assert isinstance(msg, EngineOutputs)
             for out in msg.outputs:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)

@@ -1,134 +1,285 @@
-"""Scheduler and block manager invariants under any sequence of requests, steps and aborts."""
+"""Scheduler, block manager and prefix cache invariants under any interleaving of requests,
+overlapped steps, preemptions and aborts, checked against a fake worker that records which
+token each KV slot holds."""
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, block_hash
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from surge.config import SchedulerConfig
-from surge.protocol import EngineRequest, SamplingParams, StepResult
+from surge.protocol import PREVIOUS_TOKEN, EngineRequest, SamplingParams, StepPlan, StepResult
 
 EOS = 2
 
 
-def _request(rid: str, prompt_len: int, max_tokens: int) -> EngineRequest:
-    return EngineRequest(request_id=rid, prompt_token_ids=[5] * prompt_len, arrival_time=0.0,
+def _request(rid: str, prompt: list[int], max_tokens: int, priority: int = 0,
+             arrival: float = 0.0) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=prompt, arrival_time=arrival,
+                         priority=priority,
                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                  stop_token_ids=[EOS]))
 
 
-def _check_blocks(sched: Scheduler) -> None:
-    used = [b for seq in sched.requests.values() for b in seq.block_table]
-    free = list(sched.blocks.free_blocks)
-    assert len(set(used)) == len(used), "a block is held by two sequences"
+def next_token(seq_id: int, position: int, eos_every: int) -> int:
+    """The fake model's output: fixed by sequence and position; EOS now and then."""
+    if eos_every and (seq_id + position) % eos_every == 0:
+        return EOS
+    return 3 + (seq_id * 31 + position * 7) % 40
+
+
+class FakeWorker:
+    """Runs plans in order like the real worker: writes each fed token into its KV slot, then
+    checks that every position the sequence attends to holds that sequence's true token."""
+
+    def __init__(self, block_size: int, eos_every: int) -> None:
+        self.bs = block_size
+        self.eos_every = eos_every
+        self.slots: dict[int, int] = {}
+        self.truth: dict[int, list[int]] = {}  # seq_id -> every token it has been fed or sampled
+        self.last_sampled: dict[int, int] = {}
+
+    def run(self, plan: StepPlan) -> StepResult:
+        sampled = []
+        for item in plan.seqs:
+            truth = self.truth[item.seq_id]
+            for i, token in enumerate(item.token_ids):
+                pos = item.start_pos + i
+                if token == PREVIOUS_TOKEN:
+                    token = self.last_sampled[item.seq_id]
+                assert token == truth[pos], f"seq {item.seq_id} fed a wrong token at {pos}"
+                self.slots[item.block_table[pos // self.bs] * self.bs + pos % self.bs] = token
+        for item in plan.seqs:  # attention reads after every write of the step, as on the device
+            end = item.start_pos + len(item.token_ids)
+            truth = self.truth[item.seq_id]
+            for pos in range(end):
+                slot = item.block_table[pos // self.bs] * self.bs + pos % self.bs
+                assert self.slots.get(slot) == truth[pos], \
+                    f"seq {item.seq_id} reads a wrong K/V at position {pos}"
+            if item.sample:
+                token = next_token(item.seq_id, end, self.eos_every)
+                if len(truth) == end:
+                    truth.append(token)
+                assert truth[end] == token
+                sampled.append(token)
+        self.last_sampled = {s.seq_id: t for s, t in
+                             zip([s for s in plan.seqs if s.sample], sampled, strict=True)}
+        return StepResult(plan.step_id, sampled)
+
+
+def check_blocks(sched: Scheduler) -> None:
+    bm = sched.blocks
+    holders: dict[int, int] = {}
+    for seq in sched.requests.values():
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for b in seq.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    free = list(bm.unnamed) + list(bm.evictable)
     assert len(set(free)) == len(free), "a block is free twice"
-    assert sorted(used + free) == list(range(sched.blocks.num_blocks)), "a block leaked"
-    for seq in sched.running:
-        assert len(seq.block_table) * sched.blocks.block_size >= seq.num_computed_tokens
+    for b in range(bm.num_blocks):
+        assert bm.ref_count[b] == holders.get(b, 0), f"block {b}: wrong reference count"
+        assert (b in free) == (bm.ref_count[b] == 0), f"block {b} is both used and free, or lost"
+    assert all(b in bm.name_of for b in bm.evictable)
+    for h, b in bm.by_hash.items():
+        assert bm.name_of[b][0] == h
+    for seq in sched.requests.values():  # a sequence's names are the chain over its tokens
+        parent = None
+        for i, h in enumerate(seq.block_hashes):
+            tokens = tuple(seq.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
+            assert h == block_hash(parent, tokens)
+            parent = h
 
 
-def test_block_manager_allocates_and_frees():
-    bm = BlockManager(num_blocks=4, block_size=16)
-    seq = Sequence(0, "a", [1] * 17, SamplingParams(max_tokens=1), 0, 0.0)
-    assert bm.blocks_needed(seq, 17) == 2
-    bm.allocate(seq, 17)
-    assert len(seq.block_table) == 2 and bm.num_free == 2
-    assert bm.blocks_needed(seq, 32) == 0 and bm.blocks_needed(seq, 33) == 1
+def test_block_manager_basics():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0)
+    assert bm.lookup(seq.token_ids) == []
+    bm.admit(seq, [])
+    bm.allocate(seq, 9)
+    assert len(seq.block_table) == 3 and bm.num_free == 1
+    seq.num_computed_tokens = 9
+    bm.name_full_blocks(seq)
+    assert len(seq.block_hashes) == 2
+    other = Sequence(1, "b", [*range(8), 99], SamplingParams(max_tokens=1), 0, 0.0)
+    assert bm.lookup(other.token_ids) == seq.block_table[:2]
+    # An exact copy of a cached prompt still computes its last token.
+    assert bm.lookup(list(range(8))) == seq.block_table[:1]
     bm.free(seq)
-    assert bm.num_free == 4 and seq.block_table == []
+    assert bm.num_free == 4 and len(bm.evictable) == 2
+    bm.admit(other, bm.lookup(other.token_ids))
+    assert other.num_computed_tokens == 8 and bm.ref_count[other.block_table[0]] == 1
+    assert bm.hit_tokens == 8
 
 
+prefixes = [[5 + (i * 13 + k) % 30 for i in range(40)] for k in range(3)]
+prompts = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)).map(
+    lambda t: prefixes[t[0]][: t[1]] + [40 + t[2]] * (t[2] % 5 + 1))
 actions = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 20)),
-        st.tuples(st.just("step"), st.integers(0, 3), st.just(0)),
-        st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("add"), prompts, st.integers(1, 20), st.integers(0, 2)),
+        st.tuples(st.just("step"), st.none(), st.none(), st.none()),
+        st.tuples(st.just("abort"), st.none(), st.integers(0, 30), st.none()),
     ),
     max_size=60,
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(actions, st.integers(6, 24), st.integers(1, 8), st.integers(4, 64))
-def test_no_block_leaks_and_every_request_ends_once(actions, num_blocks, max_seqs, budget):
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=max_seqs,
-                                      max_num_batched_tokens=budget), num_blocks)
+@settings(max_examples=200, deadline=None)
+@given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
+       st.sampled_from([1, 2]), st.sampled_from([0, 7]))
+def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
+                              eos_every):
+    bs = 4
+    sched = Scheduler(SchedulerConfig(block_size=bs, max_num_seqs=max_seqs,
+                                      max_num_batched_tokens=budget, prefix_cache=prefix_cache),
+                      num_blocks)
+    worker = FakeWorker(bs, eos_every)
+    inflight: deque[tuple[StepPlan, StepResult]] = deque()
+    outputs: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
     accepted: list[str] = []
+    seq_of: dict[str, int] = {}
+    requested: dict[str, tuple[list[int], int]] = {}
     counter = itertools.count()
 
-    def step(token: int) -> None:
+    def finish_one() -> None:
+        plan, result = inflight.popleft()
+        for out in sched.update(plan, result):
+            assert out.request_id not in ended
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason:
+                ended[out.request_id] = out.finish_reason
+        check_blocks(sched)
+
+    def step() -> None:
+        if len(inflight) == depth:
+            finish_one()
         plan = sched.schedule()
         if plan is None:
+            if inflight:
+                finish_one()
             return
         assert sum(len(s.token_ids) for s in plan.seqs) <= budget
         assert len(plan.seqs) <= max_seqs
-        sampled = [token] * sum(s.sample for s in plan.seqs)
-        for out in sched.update(plan, StepResult(plan.step_id, sampled)):
-            if out.finish_reason:
-                assert out.request_id not in ended
-                ended[out.request_id] = out.finish_reason
-        _check_blocks(sched)
+        assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs)
+        inflight.append((plan, worker.run(plan)))
+        check_blocks(sched)
 
-    for kind, a, b in actions:
+    for kind, prompt, a, priority in actions:
         if kind == "add":
             rid = f"r{next(counter)}"
-            error = sched.add(_request(rid, a, b))
+            error = sched.add(_request(rid, prompt, a, priority, float(len(accepted))))
             if error is None:
                 accepted.append(rid)
+                outputs[rid] = []
+                requested[rid] = (prompt, a)
+                seq_of[rid] = sched.requests[rid].seq_id
+                worker.truth[seq_of[rid]] = list(prompt)
             else:
-                assert sched.blocks.blocks_for(a + b) > num_blocks
+                assert sched.blocks.blocks_for(len(prompt) + a) > num_blocks
         elif kind == "step":
-            step(EOS if a == 0 else 7)
+            step()
         elif kind == "abort" and accepted:
             rid = accepted[a % len(accepted)]
             for out in sched.abort([rid]):
                 assert out.request_id not in ended
                 ended[out.request_id] = out.finish_reason
-        _check_blocks(sched)
+        check_blocks(sched)
     for _ in range(10_000):
-        if not sched.has_work():
+        if not sched.has_work() and not inflight:
             break
-        step(7)
+        step()
     assert not sched.has_work(), "requests were left behind"
     assert sorted(ended) == sorted(accepted)
     assert sched.blocks.num_free == num_blocks
+    for rid in accepted:
+        # What the client saw is what was generated (a step planned ahead past the end may have
+        # sampled more, which nobody sees), ending at the first EOS or at max_tokens.
+        out, (prompt, max_tokens) = outputs[rid], requested[rid]
+        truth = worker.truth[seq_of[rid]]
+        assert out == truth[len(prompt) : len(prompt) + len(out)]
+        assert len(out) <= max_tokens and EOS not in out[:-1]
+        if ended[rid] == "stop":
+            assert out[-1] == EOS
+        elif ended[rid] == "length":
+            assert len(out) == max_tokens and out[-1] != EOS
 
 
-def test_preemption_when_blocks_run_out():
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=6)
-    for i in range(3):
-        assert sched.add(_request(f"r{i}", 7, 9)) is None  # 4 blocks each at the end
-    done = set()
+def _drain(sched: Scheduler) -> dict[str, str]:
+    done = {}
     while sched.has_work():
         plan = sched.schedule()
         sampled = [7] * sum(s.sample for s in plan.seqs)
-        done |= {o.request_id for o in sched.update(plan, StepResult(plan.step_id, sampled))
-                 if o.finish_reason == "length"}
-    assert done == {"r0", "r1", "r2"}
-    assert sched.num_preemptions > 0
+        for o in sched.update(plan, StepResult(plan.step_id, sampled)):
+            if o.finish_reason:
+                done[o.request_id] = o.finish_reason
+    return done
 
 
-def test_chunked_prefill_respects_budget():
+def test_preemption_when_blocks_run_out_picks_least_urgent_latest():
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=7)
+    assert sched.add(_request("urgent-late", [1] * 7, 9, priority=0, arrival=3.0)) is None
+    assert sched.add(_request("lax-early", [3] * 7, 9, priority=5, arrival=1.0)) is None
+    assert sched.add(_request("normal", [5] * 7, 9, priority=0, arrival=2.0)) is None
+    plan = sched.schedule()
+    assert len(plan.seqs) == 3
+    order = []
+    real = sched._preempt
+    sched._preempt = lambda seq: (order.append(seq.request_id), real(seq))[1]
+    sched.update(plan, StepResult(plan.step_id, [7, 7, 7]))
+    done = _drain(sched)
+    assert done == {"urgent-late": "length", "lax-early": "length", "normal": "length"}
+    assert order and order[0] == "lax-early"
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first():
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=10), num_blocks=64)
-    sched.add(_request("long", 35, 2))
+    sched.add(_request("short", [9, 9], 6))
+    plan = sched.schedule()
+    sched.update(plan, StepResult(plan.step_id, [7]))
+    sched.add(_request("long", [5] * 35, 2))
     sizes = []
     while sched.has_work():
         plan = sched.schedule()
-        sizes.append([len(s.token_ids) for s in plan.seqs])
+        sizes.append([(sched.seqs[s.seq_id].request_id, len(s.token_ids)) for s in plan.seqs
+                      if s.seq_id in sched.seqs])
         sampled = [7] * sum(s.sample for s in plan.seqs)
         sched.update(plan, StepResult(plan.step_id, sampled))
-    assert sizes == [[10], [10], [10], [5], [1]]
+    # The short request decodes every step while the long prompt goes through in 9-token chunks.
+    assert sizes[0] == [("short", 1), ("long", 9)]
+    assert [n for step in sizes for rid, n in step if rid == "long"] == [9, 9, 9, 8, 1]
+    assert all(("short", 1) in step for step in sizes[:5])
+
+
+def test_shared_prefix_is_not_recomputed():
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=512), num_blocks=64)
+    system = list(range(100, 132))  # 8 full blocks
+    sched.add(_request("first", [*system, 1, 2], 3))
+    _drain(sched)
+    sched.add(_request("second", [*system, 3, 4, 5], 3))
+    plan = sched.schedule()
+    (item,) = plan.seqs
+    assert item.start_pos == 32 and item.token_ids == [3, 4, 5]
+    assert sched.blocks.hit_tokens == 32
+
+
+def test_prefix_cache_off_recomputes():
+    sched = Scheduler(SchedulerConfig(block_size=4, prefix_cache=False), num_blocks=64)
+    sched.add(_request("first", list(range(100, 120)), 2))
+    _drain(sched)
+    sched.add(_request("second", list(range(100, 120)), 2))
+    assert sched.schedule().seqs[0].start_pos == 0
 
 
 def test_request_that_can_never_fit_is_refused():
     sched = Scheduler(SchedulerConfig(block_size=4), num_blocks=3)
-    error = sched.add(_request("big", 10, 5))
+    error = sched.add(_request("big", [1] * 10, 5))
     assert error is not None and error.finish_reason == "error"
     assert "KV blocks" in error.error and "--kv-cache-memory" in error.error
     assert not sched.has_work()
