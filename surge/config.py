@@ -44,8 +44,9 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=1, description="most sequences in one step's batch")
     ] = 128
     max_num_batched_tokens: Annotated[
-        int, Meta(ge=1, description="most tokens (prefill + decode) in one step")
-    ] = 2048
+        int, Meta(ge=1, description="most tokens (prefill + decode) in one step; a longer "
+                  "prompt is prefilled in chunks, so this bounds the decode stall it causes")
+    ] = 512
     block_size: Annotated[int, Meta(ge=1, le=1024, description="tokens per KV block")] = 16
     prefix_cache: Annotated[
         bool, Meta(description="reuse the KV blocks of shared prompt prefixes")

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
 from gpu_workers.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
 from surge.config import SchedulerConfig
-from surge.protocol import EngineRequest, SamplingParams, StepResult
+from surge.protocol import EngineRequest, SamplingParams, StepPlan, StepResult
 
 
 class InProcessEngine:
-    def __init__(self, model, num_blocks: int = 512, **scheduler_options) -> None:
+    """depth=2 plans each step before the previous one's tokens are read back, as the
+    scheduler loop does with async_scheduling."""
+
+    def __init__(self, model, num_blocks: int = 512, depth: int = 1,
+                 **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
         self.scheduler = Scheduler(cfg, num_blocks)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
                                   model.embed.weight.dtype)
-        self.steps = 0
+        self.depth = depth
+        self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *,
             temperature: float = 0.0, seed: int | None = None,
@@ -29,14 +35,25 @@ class InProcessEngine:
                                     stop_token_ids=stop_token_ids or [])))
         assert error is None, error
 
+    def _run_plan(self, plan: StepPlan) -> StepResult:
+        names = {s.seq_id: s.request_id for s in self.scheduler.seqs.values()}
+        started = time.perf_counter()
+        result = StepResult(plan.step_id, self.runner.run(plan))
+        decoding = [names[s.seq_id] for s in plan.seqs if len(s.token_ids) == 1]
+        self.step_times.append((time.perf_counter() - started, decoding))
+        return result
+
     def run(self) -> dict[str, list[int]]:
         """Step until every request is finished; the generated tokens of each."""
         tokens: dict[str, list[int]] = {}
-        while self.scheduler.has_work():
-            plan = self.scheduler.schedule()
-            assert plan is not None, "work is queued but nothing could be scheduled"
-            result = StepResult(plan.step_id, self.runner.run(plan))
-            self.steps += 1
-            for out in self.scheduler.update(plan, result):
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        inflight: deque[tuple[StepPlan, StepResult]] = deque()
+        while self.scheduler.has_work() or inflight:
+            plan = self.scheduler.schedule() if len(inflight) < self.depth else None
+            if plan is not None:
+                inflight.append((plan, self._run_plan(plan)))
+            elif not inflight:
+                raise AssertionError("work is queued but nothing could be scheduled")
+            if plan is None or len(inflight) == self.depth:
+                for out in self.scheduler.update(*inflight.popleft()):
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens

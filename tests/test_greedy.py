@@ -41,3 +41,42 @@ def test_batch_invariance(engine_model, prompts, expected):
     got = engine.run()
     for name in prompts:
         assert got[name] == expected[name], name
+
+
+@pytest.mark.parametrize(("label", "options"), [
+    ("overlapped steps", dict(depth=2)),
+    ("chunked prefill", dict(max_num_batched_tokens=37)),
+    ("preemption", dict(num_blocks=140, max_num_batched_tokens=4096)),
+])
+def test_scheduling_variants_keep_reference_tokens(engine_model, prompts, expected, label,
+                                                   options):
+    """Tiny token budgets, a cache too small for everyone, and planning ahead change how the
+    work is cut into steps, never the tokens."""
+    engine = InProcessEngine(engine_model, **options)
+    for name, ids in prompts.items():
+        engine.add(name, ids, N_TOKENS)
+    got = engine.run()
+    for name in prompts:
+        assert got[name] == expected[name], (label, name)
+    if label == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if label == "chunked prefill":
+        assert max(len(d) for _, d in engine.step_times) > 1
+
+
+def test_prefix_cache_hits_keep_reference_tokens(engine_model, prompts, expected, tokenizer,
+                                                 reference):
+    engine = InProcessEngine(engine_model)
+    long_ids = prompts["long"]
+    engine.add("first", long_ids, N_TOKENS)
+    assert engine.run()["first"] == expected["long"]
+    # Same long prefix, different endings: all but the last partial block comes from the cache.
+    variants = {f"v{i}": long_ids[: 900 + 37 * i] + tokenizer.encode(f" Question {i}:")
+                for i in range(3)}
+    for name, ids in variants.items():
+        engine.add(name, ids, 16)
+    got = engine.run()
+    blocks = engine.scheduler.blocks
+    assert blocks.hit_tokens >= 3 * 896, blocks.hit_tokens
+    for name, ids in variants.items():
+        assert got[name] == reference.greedy(ids, 16), name
