@@ -19,13 +19,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, dtype: str = "float32",
+                 kv_cache_memory: str = "256MiB") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="surge-test-", suffix=".log")
         cmd = [sys.executable, "-m", "surge.cli", "serve", "--port", str(self.port),
-               "--dtype", "float32", "--kv-cache-memory", "256MiB", *args]
+               "--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 
