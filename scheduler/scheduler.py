@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Iterable
+from itertools import islice
 
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence, Status
@@ -25,6 +27,7 @@ from surge.protocol import (
 )
 
 log = logging.getLogger("surge.scheduler")
+_BUCKET_WINDOW = 64  # how far down the queue length bucketing looks for similar prompts
 
 
 class Scheduler:
@@ -123,8 +126,9 @@ class Scheduler:
                 self.blocks.allocate(seq, need)
                 chosen.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in self._admission_order():
+            if budget == 0 or len(self.running) == self.cfg.max_num_seqs:
+                break
             if seq.num_pending:
                 break  # preempted with a token still in flight: resume once it is known
             hits = self.blocks.lookup(seq.token_ids)
@@ -132,7 +136,7 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.can_admit(hits, cached + n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.admit(seq, hits)
             self.blocks.allocate(seq, cached + n)
             seq.status = Status.RUNNING
@@ -144,6 +148,17 @@ class Scheduler:
         plan = StepPlan(self._next_step_id, [self._scheduled(seq, n) for seq, n in chosen])
         self._next_step_id += 1
         return plan
+
+    def _admission_order(self) -> Iterable[Sequence]:
+        """Waiting sequences in the order to try them: first come, first served; with length
+        bucketing, the oldest first and then those of a length within 2x of it."""
+        room = self.cfg.max_num_seqs - len(self.running)
+        if not self.cfg.length_bucketing or not self.waiting:
+            return list(islice(self.waiting, room))
+        head = self.waiting[0]
+        similar = [s for s in islice(self.waiting, 1, _BUCKET_WINDOW)
+                   if 0.5 <= s.num_tokens / head.num_tokens <= 2.0]
+        return [head, *similar[: room - 1]]
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens

@@ -58,6 +58,10 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         float, Meta(ge=0, le=1000, description="when idle, wait this long for more arrivals "
                     "before the first step (0: never wait)")
     ] = 0.0
+    length_bucketing: Annotated[
+        bool, Meta(description="admit waiting prompts of similar length together (less "
+                   "padding in decode attention); the oldest request still goes first")
+    ] = False
     kv_cache_memory: Annotated[
         str,
         Meta(description="KV cache budget: bytes with a unit (e.g. 96MiB, 2GiB) "

@@ -132,12 +132,13 @@ actions = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
-       st.sampled_from([1, 2]), st.sampled_from([0, 7]))
+       st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans())
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
-                              eos_every):
+                              eos_every, bucketing):
     bs = 4
     sched = Scheduler(SchedulerConfig(block_size=bs, max_num_seqs=max_seqs,
-                                      max_num_batched_tokens=budget, prefix_cache=prefix_cache),
+                                      max_num_batched_tokens=budget, prefix_cache=prefix_cache,
+                                      length_bucketing=bucketing),
                       num_blocks)
     worker = FakeWorker(bs, eos_every)
     inflight: deque[tuple[StepPlan, StepResult]] = deque()
