@@ -40,6 +40,10 @@ def test_models_and_health(client, server):
     assert [m.id for m in models.data] == [MODEL]
     with urllib.request.urlopen(f"{server.url}/health") as r:
         assert json.load(r) == {"status": "ok"}
+    log = server.output()
+    assert "surge ready on http://127.0.0.1:" in log
+    assert "KV cache: 5461 blocks of 16 tokens = 87376 tokens" in log  # 256MiB in fp32
+    assert "loading weights" in log
 
 
 def test_chat_greedy_answer(client):

@@ -142,3 +142,36 @@ def test_nothing_left_behind(tiny_model):
     ring_path, runtime = eng.ring.path, eng.channels.runtime_dir
     eng.close()
     assert not os.path.exists(ring_path) and not os.path.exists(runtime)
+
+
+def _stats(engine: Engine, timeout: float = 10) -> EngineStats:
+    while True:
+        msg = engine._recv(timeout)
+        if isinstance(msg, EngineStats):
+            return msg
+
+
+def test_abort_frees_blocks_at_once(engine):
+    for i in range(4):
+        engine.submit(f"gone{i}", list(range(1, 40)), 300, temperature=0.0)
+    engine.requests.send(encode(AbortRequest([f"gone{i}" for i in range(4)])))
+    assert {r for r, (_, reason) in engine.collect(4).items() if reason == "abort"} == \
+        {f"gone{i}" for i in range(4)}
+    stats = _stats(engine)
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
+def test_batch_wait_gathers_arrivals_into_one_first_step(tiny_model):
+    eng = Engine(tiny_model, batch_wait_ms=400)
+    try:
+        eng.submit("a", [3, 4, 5], 2, temperature=0.0)
+        time.sleep(0.1)
+        eng.submit("b", [6, 7, 8], 2, temperature=0.0)
+        while True:
+            msg = eng._recv(30)
+            if isinstance(msg, EngineOutputs):
+                break
+        # Both started in the same step, so their first tokens come back together.
+        assert {o.request_id for o in msg.outputs} == {"a", "b"}
+    finally:
+        eng.close()
