@@ -42,7 +42,8 @@ def test_models_and_health(client, server):
         assert json.load(r) == {"status": "ok"}
     log = server.output()
     assert "surge ready on http://127.0.0.1:" in log
-    assert "KV cache: 5461 blocks of 16 tokens = 87376 tokens" in log  # 256MiB in fp32
+    # 256 MiB / (30 layers x K,V x 16 tokens x 3 heads x 64 dims x 4 bytes) = 364 blocks
+    assert "KV cache: 364 blocks of 16 tokens = 5824 tokens" in log
     assert "loading weights" in log
 
 
