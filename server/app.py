@@ -67,8 +67,8 @@ class Frontend:
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
         room = self.max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # as much as the context window and the KV cache allow
+            max_tokens = max(1, min(room, self.kv_capacity_tokens - prompt_len))
         if max_tokens > room:
             raise ApiError(
                 400, f"this model's context window is {self.max_model_len} tokens, but the "

@@ -56,6 +56,13 @@ def test_chat_greedy_answer(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
+def test_chat_without_max_tokens_fits_a_small_kv_cache(client):
+    """The test server's cache (5,824 tokens) is smaller than the context window (8,192): the
+    default max_tokens is what fits, not an error."""
+    r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+
+
 def test_completion_matches_reference_tokens(client, tokenizer, reference):
     ids = tokenizer.encode(RAW[0])
     r = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=32,
