@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager, block_hash
@@ -130,7 +130,7 @@ actions = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
        st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans())
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
@@ -197,6 +197,8 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
             break
         step()
     assert not sched.has_work(), "requests were left behind"
+    event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"prefix hits: {sched.blocks.hit_tokens > 0}")
     assert sorted(ended) == sorted(accepted)
     assert sched.blocks.num_free == num_blocks
     for rid in accepted:
