@@ -8,13 +8,19 @@ cached, and are evicted least recently used first when a fresh block is needed.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from scheduler.sequence import Sequence
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """A collision-resistant name: Python's hash() of int tuples can be steered by a crafted
+    prompt, which would let one client's blocks stand in for another's prefix."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -25,8 +31,8 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.unnamed: deque[int] = deque(range(num_blocks))  # free, contents meaningless
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but named, LRU first
-        self.name_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
-        self.by_hash: dict[int, int] = {}
+        self.name_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self.by_hash: dict[bytes, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
 

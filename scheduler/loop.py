@@ -167,11 +167,16 @@ class SchedulerLoop:
             worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)))
 
     def fail_all(self, reason: str) -> None:
-        """Give every request in the scheduler a terminal error: nothing is silently lost."""
+        """Give every request a terminal error, those still queued in the socket too: nothing
+        is silently lost."""
         if self.scheduler is None:
             return
         ids = list(self.scheduler.requests)
         self.scheduler.abort(ids)
+        while self.requests.poll(0):
+            msg = self.frontend_decoder.decode(self.requests.recv())
+            if isinstance(msg, EngineRequest):
+                ids.append(msg.request_id)
         self.outputs.send(encode(EngineOutputs([RequestOutput(i, [], "error", reason)
                                                 for i in ids])))
 

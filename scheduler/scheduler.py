@@ -47,6 +47,9 @@ class Scheduler:
 
     def add(self, req: EngineRequest) -> RequestOutput | None:
         """Queue a request; an error output instead if it could never fit the KV cache."""
+        if req.sampling.max_tokens < 1 or not req.prompt_token_ids:
+            return RequestOutput(req.request_id, [], "error",
+                                 "a request needs a prompt and max_tokens >= 1")
         need = self.blocks.blocks_for(len(req.prompt_token_ids) + req.sampling.max_tokens)
         if need > self.blocks.num_blocks:
             return RequestOutput(

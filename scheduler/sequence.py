@@ -26,7 +26,7 @@ class Sequence:
         # Tokens sampled by steps still in flight: known to the worker, not yet to us.
         self.num_pending = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # prefix-cache names of the full blocks, in order
+        self.block_hashes: list[bytes] = []  # prefix-cache names of the full blocks, in order
         self.sampling = sampling
         self.seed = seed
         self.arrival_time = arrival_time

@@ -6,12 +6,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from jinja2 import TemplateError
 
 from server.engine_client import EngineClient
 from server.errors import ApiError, error_body, error_middleware
@@ -34,7 +35,6 @@ class Frontend:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.kv_capacity_tokens = 0  # set when the engine is ready
         self.created = int(time.time())
 
     # ---- request parsing ----
@@ -56,29 +56,43 @@ class Frontend:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
+    async def _off_loop_if_long(self, size: int, fn: Callable[[Any], list[int]],
+                                arg: Any) -> list[int]:
+        if size <= _INLINE_TOKENIZE_CHARS:
+            return fn(arg)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+
     async def _tokenize(self, text: str) -> list[int]:
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode,
-                                                                text)
+        return await self._off_loop_if_long(len(text), self.tokenizer.encode, text)
+
+    async def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            return await self._off_loop_if_long(size, self.tokenizer.apply_chat_template,
+                                                messages)
+        except (ValueError, TemplateError) as e:
+            raise ApiError(400, f"the model's chat template refused these messages: {e}",
+                           param="messages") from None
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                   max_tokens: int | None) -> SamplingParams:
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
         room = self.max_model_len - prompt_len
+        ready = self.engine.ready.result()
+        capacity = ready.num_blocks * ready.block_size
         if max_tokens is None:  # as much as the context window and the KV cache allow
-            max_tokens = max(1, min(room, self.kv_capacity_tokens - prompt_len))
+            max_tokens = max(1, min(room, capacity - prompt_len))
         if max_tokens > room:
             raise ApiError(
                 400, f"this model's context window is {self.max_model_len} tokens, but the "
                      f"prompt has {prompt_len} tokens and max_tokens is {max_tokens} "
                      f"({prompt_len + max_tokens} in all); shorten the prompt or lower max_tokens",
                 param="max_tokens")
-        if prompt_len + max_tokens > self.kv_capacity_tokens:
+        if prompt_len + max_tokens > capacity:
             raise ApiError(
                 400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
-                     f"the KV cache ({self.kv_capacity_tokens} tokens)", param="max_tokens")
+                     f"the KV cache ({capacity} tokens)", param="max_tokens")
         vocab = self.tokenizer.vocab_size
         for t in body.stop_token_ids or []:
             if t >= vocab:
@@ -145,7 +159,7 @@ class Frontend:
                      "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content or [])}
                     for m in body.messages]
-        prompt = self.tokenizer.apply_chat_template(messages)
+        prompt = await self._chat_prompt(messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = [self._sampling(body, len(prompt), max_tokens)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -224,6 +238,8 @@ class Frontend:
                     await response.write(_event(chunk(piece)))
         except ApiError as e:
             await response.write(_event(error_body(e.status, e.message)))
+        except ConnectionResetError:
+            return response  # the client left; aclosing() has aborted its request
         else:
             if body.stream_options and body.stream_options.include_usage:
                 last = chunk(Piece(0, "", 0))

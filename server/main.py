@@ -30,8 +30,9 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     engine = EngineClient(channels)
     frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
                         max_model_len(files))
+    # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
     runner = web.AppRunner(build_app(frontend, MAX_BODY_BYTES), handler_cancellation=True,
-                           access_log=None)
+                           access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
     await site.start()
@@ -40,8 +41,6 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         stop_wait = asyncio.ensure_future(stop.wait())
         await asyncio.wait([ready_wait, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if ready_wait.done():
-            ready = ready_wait.result()
-            frontend.kv_capacity_tokens = ready.num_blocks * ready.block_size
             status.put(("frontend", f"serving {frontend.model_name!r} on "
                                     f"http://{cfg.server.host}:{cfg.server.port}"))
             await stop_wait

@@ -72,8 +72,29 @@ class Supervisor:
                 dead = next(p for p in self.procs if p.exitcode is not None)
                 log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
                           dead.exitcode)
+                if dead.name.startswith("worker"):
+                    self._report_dead_worker(dead)
                 return 1
         return 0
+
+    def _report_dead_worker(self, dead: BaseProcess) -> None:
+        """A worker killed outright says nothing: tell the scheduler, so that it ends every
+        request with an error the clients receive before the frontend stops."""
+        import zmq
+
+        from surge.protocol import WorkerFailed, encode
+
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(self.channels.results)
+            sock.send(encode(WorkerFailed(int(dead.name.split()[-1]),
+                                          f"exited with code {dead.exitcode}")))
+            scheduler = next(p for p in self.procs if p.name == "scheduler")
+            scheduler.join(_STOP_TIMEOUT_S / 2)
+            time.sleep(0.5)  # let the frontend write the error answers out
+        finally:
+            ctx.destroy(linger=500)
 
     def stop(self) -> None:
         """Stop the frontend first (no new work), then the scheduler, then the workers."""

@@ -286,3 +286,11 @@ def test_request_that_can_never_fit_is_refused():
     assert error is not None and error.finish_reason == "error"
     assert "KV blocks" in error.error and "--kv-cache-memory" in error.error
     assert not sched.has_work()
+
+
+def test_request_without_tokens_to_generate_is_refused():
+    sched = Scheduler(SchedulerConfig(block_size=4), num_blocks=30)
+    for rid, prompt, max_tokens in [("zero", [1] * 10, 0), ("empty", [], 5)]:
+        error = sched.add(_request(rid, prompt, max_tokens))
+        assert error is not None and error.finish_reason == "error"
+    assert not sched.has_work()

@@ -33,6 +33,11 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().strip("\0").split("\0")[0]
+
+
 def _alive(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
@@ -58,10 +63,7 @@ def test_signal_stops_everything_cleanly(tmp_path, sig):
     shm_before = set(os.listdir("/dev/shm"))
     server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
     children = _descendants(server.proc.pid)
-    titles = set()
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline") as f:
-            titles.add(f.read().strip("\0").split("\0")[0])
+    titles = {_title(pid) for pid in children}
     assert {"surge: frontend", "surge: scheduler", "surge: worker 0"} <= titles
     assert os.listdir(tmp_path), "the runtime dir should exist while serving"
     assert _complete(server)
@@ -88,3 +90,35 @@ def test_killed_supervisor_leaves_no_orphans_and_is_swept(tmp_path):
     assert stale not in os.listdir(tmp_path)
     assert not glob.glob(f"/dev/shm/{stale}-*")
     assert again.stop() == 0
+
+
+def test_worker_killed_outright_answers_every_request(tmp_path):
+    """Until workers are restarted (a later issue), a dead worker ends surge - but every request
+    in flight gets an error answer first, never a hang or a reset connection."""
+    import concurrent.futures
+    import urllib.error
+
+    server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    children = _descendants(server.proc.pid)
+    (worker,) = [p for p in children if _title(p) == "surge: worker 0"]
+
+    def long_request() -> tuple[int, str]:
+        body = json.dumps({"prompt": "Count:", "max_tokens": 3000, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long_request) for _ in range(4)]
+        time.sleep(2)
+        os.kill(worker, signal.SIGKILL)
+        answers = [f.result(timeout=60) for f in futures]
+    assert all(status == 503 and "worker" in text for status, text in answers), answers
+    assert server.proc.wait(30) == 1
+    assert not _alive(children)
+    assert os.listdir(tmp_path) == []
