@@ -50,6 +50,14 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+def _gone(pids: set[int], timeout: float = 10) -> bool:
+    """Whether every pid has exited (a process's exit is seen by others a moment later)."""
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pids)
+
+
 def _complete(server: ServerProcess) -> str:
     body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
@@ -68,7 +76,7 @@ def test_signal_stops_everything_cleanly(tmp_path, sig):
     assert os.listdir(tmp_path), "the runtime dir should exist while serving"
     assert _complete(server)
     assert server.stop(sig) == 0, server.output()
-    assert not _alive(children)
+    assert _gone(children)
     assert os.listdir(tmp_path) == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
@@ -79,10 +87,7 @@ def test_killed_supervisor_leaves_no_orphans_and_is_swept(tmp_path):
     children = _descendants(server.proc.pid)
     server.proc.kill()
     server.proc.wait()
-    deadline = time.monotonic() + 15
-    while _alive(children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _alive(children), "children outlived a SIGKILLed supervisor"
+    assert _gone(children, 15), "children outlived a SIGKILLed supervisor"
     # Its runtime dir and segment are left; the next start sweeps them.
     (stale,) = os.listdir(tmp_path)
     assert glob.glob(f"/dev/shm/{stale}-*")
@@ -120,5 +125,5 @@ def test_worker_killed_outright_answers_every_request(tmp_path):
         answers = [f.result(timeout=60) for f in futures]
     assert all(status == 503 and "worker" in text for status, text in answers), answers
     assert server.proc.wait(30) == 1
-    assert not _alive(children)
+    assert _gone(children)
     assert os.listdir(tmp_path) == []
