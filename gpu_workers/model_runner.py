@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from gpu_workers.llama import AttentionMetadata, LlamaModel
-from gpu_workers.sampler import sample
-from surge.protocol import PREVIOUS_TOKEN, ScheduledSeq, StepPlan
+from gpu_workers.sampler import SamplingBatch, sample
+from surge.protocol import PREVIOUS_TOKEN, ScheduledSeq, StepPlan, TokenLogprobs
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -37,7 +37,9 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> list[int]:
+    def run(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled token of each sequence with sample=True, in plan order, and its
+        logprobs where asked for (an empty list when nobody asked)."""
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         input_ids, positions, meta = self._prepare(seqs)
@@ -46,18 +48,26 @@ class ModelRunner:
         want = [i for i, s in enumerate(seqs) if s.sample]
         if not want:
             self.last_sampled = {}
-            return []
+            return [], []
         logits = self.model.logits(hidden[ends[want].to(self.device)])
         picked = [seqs[i] for i in want]
-        tokens = sample(
-            logits,
-            torch.tensor([s.temperature for s in picked], device=self.device),
-            torch.tensor([s.seed for s in picked], device=self.device),
-            torch.tensor([s.start_pos + len(s.token_ids) for s in picked], device=self.device),
-        ).tolist()
+        batch = SamplingBatch.build(
+            picked, [s.start_pos + len(s.token_ids) for s in picked],
+            [self._history(s) for s in picked], logits.shape[1], self.device)
+        tokens_t, logprobs = sample(logits, batch)
+        tokens = tokens_t.tolist()
         # Back to plan order, which is how the scheduler reads them.
         self.last_sampled = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}
-        return [self.last_sampled[s.seq_id] for s in plan.seqs if s.sample]
+        order = {s.seq_id: i for i, s in enumerate(picked)}
+        in_plan = [order[s.seq_id] for s in plan.seqs if s.sample]
+        return [tokens[i] for i in in_plan], [logprobs[i] for i in in_plan] if logprobs else []
+
+    def _history(self, s: ScheduledSeq) -> list[int] | None:
+        """Every token of s up to the one being sampled, for penalties (None without them)."""
+        if s.history is None:
+            return None
+        fed = [t if t != PREVIOUS_TOKEN else self.last_sampled[s.seq_id] for t in s.token_ids]
+        return s.history[: s.start_pos] + fed
 
     def _prepare(self, seqs: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

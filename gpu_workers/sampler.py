@@ -1,13 +1,17 @@
-"""Greedy and temperature sampling for a whole batch at once.
+"""Sampling for a whole batch at once: every request parameter is a column of tensors.
 
 Randomness is a pure function of (seed, position, token id): a counter-based hash, not a
 generator with state. So a seeded request gives the same tokens whatever batch it shares, and a
 sequence recomputed after preemption or a worker restart samples exactly what it sampled before.
+Each stage runs only when some row of the batch asks for it.
 """
 
 from __future__ import annotations
 
 import torch
+from msgspec import Struct
+
+from surge.protocol import ScheduledSeq, TokenLogprobs
 
 _MASK = 0xFFFFFFFF
 
@@ -33,14 +37,128 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return ((bits >> 9).float() + 0.5) / float(1 << 23)
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-           positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B]; temperature 0 means greedy."""
-    greedy = logits.argmax(dim=-1)
-    if not bool((temperatures > 0).any()):
-        return greedy
-    temps = torch.where(temperatures > 0, temperatures, 1.0)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
-    race = probs / -torch.log(uniform_noise(seeds, positions, logits.shape[1]))
-    return torch.where(temperatures > 0, race.argmax(dim=-1), greedy)
+class SamplingBatch(Struct, kw_only=True):
+    """The sampling parameters of the rows of one step, as tensors."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor  # the position of the token being sampled
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V] how often each token was generated
+    seen: torch.Tensor | None = None  # [B, V] tokens in the prompt or the output
+    bias: torch.Tensor | None = None  # [B, V] logit_bias, with -inf on banned stop tokens
+    logprobs: list[int | None] = []
+
+    @classmethod
+    def build(cls, seqs: list[ScheduledSeq], positions: list[int],
+              histories: list[list[int] | None], vocab: int,
+              device: torch.device) -> SamplingBatch:
+        """seqs are the rows that sample; histories[i] is every token of row i so far (only
+        for rows with penalties)."""
+        params = [s.sampling for s in seqs]
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        batch = cls(
+            temperature=column([p.temperature for p in params]),
+            top_p=column([p.top_p for p in params]),
+            top_k=column([p.top_k for p in params], torch.int64),
+            min_p=column([p.min_p for p in params]),
+            seeds=column([s.seed for s in seqs], torch.int64),
+            positions=column(positions, torch.int64),
+            logprobs=[p.logprobs for p in params],
+        )
+        if any(p.uses_penalties for p in params):
+            batch.presence = column([p.presence_penalty for p in params])
+            batch.frequency = column([p.frequency_penalty for p in params])
+            batch.repetition = column([p.repetition_penalty for p in params])
+            counts = torch.zeros(len(seqs), vocab, device=device)
+            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+            for i, (s, toks) in enumerate(zip(seqs, histories, strict=True)):
+                if toks is not None:
+                    out = column(toks[s.num_prompt_tokens :], torch.int64)
+                    counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                    seen[i, column(toks, torch.int64)] = True
+            batch.output_counts, batch.seen = counts, seen
+        if any(p.logit_bias or s.ban_stop_tokens for s, p in zip(seqs, params, strict=True)):
+            bias = torch.zeros(len(seqs), vocab, device=device)
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+                for token, value in p.logit_bias.items():
+                    bias[i, token] = value
+                if s.ban_stop_tokens and p.stop_token_ids:
+                    bias[i, column(p.stop_token_ids, torch.int64)] = float("-inf")
+            batch.bias = bias
+        return batch
+
+
+def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.output_counts is not None:
+        logits = logits - b.frequency[:, None] * b.output_counts
+        logits = logits - b.presence[:, None] * (b.output_counts > 0)
+        rep = b.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(b.seen, penalized, logits)
+    if b.bias is not None:
+        logits = logits + b.bias
+    return logits
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled logits with -inf outside each row's top-k / top-p / min-p set."""
+    logits = logits / torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
+    vocab = logits.shape[1]
+    if bool((b.top_k > 0).any()):
+        k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), vocab)
+        top = logits.topk(int(k.max()), dim=-1).values
+        kth = top.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if bool((b.top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = (probs.cumsum(dim=-1) - probs >= b.top_p[:, None]) & (b.top_p < 1)[:, None]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if bool((b.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
+              ) -> list[TokenLogprobs | None]:
+    """Log-probabilities under the model itself (before penalties, bias or temperature)."""
+    rows = [i for i, k in enumerate(asks) if k is not None]
+    if not rows:
+        return []
+    logp = torch.log_softmax(raw[rows], dim=-1)
+    chosen = logp.gather(1, tokens[rows][:, None])[:, 0].tolist()
+    k_max = max(asks[i] or 0 for i in rows)
+    top_values, top_ids = logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0])
+    out: list[TokenLogprobs | None] = [None] * len(asks)
+    for j, i in enumerate(rows):
+        k = asks[i] or 0
+        out[i] = TokenLogprobs(chosen[j], top_ids[j, :k].long().tolist(),
+                               top_values[j, :k].tolist())
+    return out
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch
+           ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """logits [B, V] float32 -> (token ids [B], logprobs per row where asked, else [])."""
+    processed = _apply_penalties(logits, b)
+    greedy = processed.argmax(dim=-1)
+    if bool((b.temperature > 0).any()):
+        probs = _filter(processed, b).softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
+        race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))
+        tokens = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy)
+    else:
+        tokens = greedy
+    return tokens, _logprobs(logits, tokens, b.logprobs)

@@ -70,10 +70,10 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
             if isinstance(msg, Shutdown):
                 break
             started = time.perf_counter()
-            tokens = runner.run(msg)
+            tokens, logprobs = runner.run(msg)
             if rank == 0:
                 results.send(encode(StepResult(
-                    msg.step_id, tokens, compute_s=time.perf_counter() - started,
+                    msg.step_id, tokens, logprobs, compute_s=time.perf_counter() - started,
                     wait_s=started - idle_since)))
             idle_since = time.perf_counter()
     except (SystemExit, RingClosed):

@@ -169,22 +169,28 @@ class Scheduler:
         tokens += [PREVIOUS_TOKEN] * (n - len(tokens))
         seq.num_computed_tokens += n
         sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        # The index, among the outputs, of the token this step samples.
+        output_index = seq.num_output_tokens + seq.num_pending
         seq.num_pending += sample
         self.blocks.name_full_blocks(seq)
+        params = seq.sampling
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tokens, start_pos=start,
-            block_table=list(seq.block_table), sample=sample,
-            temperature=seq.sampling.temperature, seed=seq.seed)
+            block_table=list(seq.block_table), sample=sample, sampling=params, seed=seq.seed,
+            ban_stop_tokens=sample and output_index < params.min_tokens,
+            history=list(seq.token_ids) if sample and params.uses_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each sampled token, apply the stop checks, free what finished."""
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
         sampled = iter(result.sampled_token_ids)
+        logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         outputs = []
         for item in plan.seqs:
             if not item.sample:
                 continue
-            token = next(sampled)
+            token, token_logprobs = next(sampled), next(logprobs)
             seq = self.seqs.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
@@ -199,5 +205,6 @@ class Scheduler:
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
-            outputs.append(RequestOutput(seq.request_id, [token], reason))
+            outputs.append(RequestOutput(seq.request_id, [token], reason, None,
+                                         None if token_logprobs is None else [token_logprobs]))
         return outputs

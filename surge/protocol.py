@@ -9,12 +9,29 @@ from msgspec import Struct
 
 
 class SamplingParams(Struct, kw_only=True, array_like=True):
+    """Validated by the frontend; each field is applied by the worker's sampler except
+    max_tokens, min_tokens and stop_token_ids, which the scheduler checks."""
+
     max_tokens: int
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0  # stop tokens are banned until this many tokens are out
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
     # None: the scheduler draws one, so every sequence samples from a fixed (seed, position) stream.
     seed: int | None = None
     # The frontend folds EOS in here unless ignore_eos, so the scheduler needs no tokenizer.
     stop_token_ids: list[int] = []
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 class EngineRequest(Struct, tag=True, kw_only=True):
@@ -32,12 +49,21 @@ class AbortRequest(Struct, tag=True):
 # ---- scheduler -> frontend (ZeroMQ) ----
 
 
+class TokenLogprobs(Struct, array_like=True):
+    """The sampled token's log-probability under the model, and the most likely tokens'."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class RequestOutput(Struct, array_like=True):
     request_id: str
     new_token_ids: list[int]
     # None while running; "stop" | "length" when done; "abort" | "error" when ended otherwise.
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
 
 
 class EngineOutputs(Struct, tag=True):
@@ -84,8 +110,12 @@ class ScheduledSeq(Struct, array_like=True):
     start_pos: int
     block_table: list[int]
     sample: bool  # this chunk reaches the sequence's last token, so a new token is sampled
-    temperature: float
+    sampling: SamplingParams
     seed: int
+    ban_stop_tokens: bool = False  # min_tokens not reached yet
+    # With penalties: every token known before start_pos, and how many of them are the prompt.
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 class StepPlan(Struct, tag=True):
@@ -110,6 +140,7 @@ class WorkerReady(Struct, tag=True, kw_only=True):
 class StepResult(Struct, tag=True):
     step_id: int
     sampled_token_ids: list[int]  # one per ScheduledSeq with sample=True, in plan order
+    logprobs: list[TokenLogprobs | None] = []  # likewise, where asked for (empty: nobody did)
     compute_s: float = 0.0  # the worker's time on this step
     wait_s: float = 0.0  # how long the worker waited for this plan after the previous step
 

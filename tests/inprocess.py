@@ -38,7 +38,7 @@ class InProcessEngine:
     def _run_plan(self, plan: StepPlan) -> StepResult:
         names = {s.seq_id: s.request_id for s in self.scheduler.seqs.values()}
         started = time.perf_counter()
-        result = StepResult(plan.step_id, self.runner.run(plan))
+        result = StepResult(plan.step_id, *self.runner.run(plan))
         decoding = [names[s.seq_id] for s in plan.seqs if len(s.token_ids) == 1]
         self.step_times.append((time.perf_counter() - started, decoding))
         return result
