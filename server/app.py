@@ -18,11 +18,14 @@ from server.engine_client import EngineClient
 from server.errors import ApiError, error_body, error_middleware
 from server.generate import Piece, generate, merge
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
+from server.websocket import stream_socket
 from surge.protocol import SamplingParams
 
 log = logging.getLogger("surge.frontend")
 T = TypeVar("T")
+Body = CompletionRequest | ChatCompletionRequest
 _json = msgspec.json.Encoder()
 # Prompts longer than this many characters are tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
@@ -35,19 +38,20 @@ class Frontend:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.token_text = TokenText(tokenizer.hf)
         self.created = int(time.time())
 
     # ---- request parsing ----
 
-    async def _body(self, request: web.Request, kind: type[T]) -> T:
+    def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():
             raise ApiError(503, "the model is still loading; retry shortly")
-        raw = await request.read()
         try:
             return msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as e:
             param = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else None
-            raise ApiError(400, f"invalid request: {e}", param=param) from None
+            raise ApiError(400, f"invalid request: {e}",
+                           param=param.split("[")[0].split(".")[0] if param else None) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
@@ -65,7 +69,11 @@ class Frontend:
     async def _tokenize(self, text: str) -> list[int]:
         return await self._off_loop_if_long(len(text), self.tokenizer.encode, text)
 
-    async def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role if m.role != "developer" else "system",
+                     "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content or [])}
+                    for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
         try:
             return await self._off_loop_if_long(size, self.tokenizer.apply_chat_template,
@@ -74,8 +82,31 @@ class Frontend:
             raise ApiError(400, f"the model's chat template refused these messages: {e}",
                            param="messages") from None
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                  max_tokens: int | None) -> SamplingParams:
+    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self._tokenize(prompt)]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [await self._tokenize(p) for p in prompt]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
+                                "either (not a mix)", param="prompt")
+        self._check_token_ids([t for p in prompts for t in p], "prompt")
+        return prompts
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary (size "
+                                f"{vocab})", param=param)
+
+    def _sampling(self, body: Body, prompt_len: int, max_tokens: int | None,
+                  logprobs: int | None) -> SamplingParams:
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
         room = self.max_model_len - prompt_len
@@ -93,96 +124,124 @@ class Frontend:
             raise ApiError(
                 400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
                      f"the KV cache ({capacity} tokens)", param="max_tokens")
-        vocab = self.tokenizer.vocab_size
-        for t in body.stop_token_ids or []:
-            if t >= vocab:
-                raise ApiError(400, f"stop_token_ids: {t} is not a token id (vocabulary: "
-                                    f"{vocab})", param="stop_token_ids")
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens "
+                                f"({max_tokens})", param="min_tokens")
         stops = list(body.stop_token_ids or [])
+        self._check_token_ids(stops, "stop_token_ids")
         if not body.ignore_eos:
             stops += self.tokenizer.eos_token_ids
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= self.tokenizer.vocab_size:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model",
+                               param="logit_bias")
+            bias[int(key)] = value
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            seed=body.seed,
-            stop_token_ids=stops,
-        )
-
-    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [await self._tokenize(prompt)]
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]
-        elif all(isinstance(p, str) for p in prompt):
-            prompts = [await self._tokenize(p) for p in prompt]
-        elif all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]
-        else:
-            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
-                                "either (not a mix)", param="prompt")
-        vocab = self.tokenizer.vocab_size
-        if any(t >= vocab for p in prompts for t in p):
-            raise ApiError(400, f"prompt holds a token id outside the vocabulary (size {vocab})",
-                           param="prompt")
-        return prompts
+            top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=bias,
+            min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops)
 
     # ---- endpoints ----
 
+    async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
+        """A request body's prompts (token ids), max_tokens and logprobs count."""
+        if isinstance(body, CompletionRequest):
+            if body.echo and body.logprobs is not None:
+                raise ApiError(400, "echo together with logprobs is not supported (prompt "
+                                    "logprobs are not computed)", param="echo")
+            return await self._completion_prompts(body.prompt), body.max_tokens, body.logprobs
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return ([await self._chat_prompt(body)], body.max_completion_tokens or body.max_tokens,
+                logprobs)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, CompletionRequest)
-        self._check_model(body.model)
-        prompts = await self._completion_prompts(body.prompt)
-        params = [self._sampling(body, len(p), body.max_tokens) for p in prompts]
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        pieces = self._pieces(rid, prompts, params)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
-
-        def chunk(piece: Piece) -> dict:
-            return {**head, "choices": [{"index": piece.index, "text": piece.text,
-                                         "logprobs": None,
-                                         "finish_reason": piece.finish_reason}]}
-
-        if body.stream:
-            return await self._sse(request, rid, pieces, chunk, None, prompts, body)
-        texts, reasons, counts = await self._collect(pieces, len(prompts))
-        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
-                   for i in range(len(prompts))]
-        return self._json({**head, "choices": choices, "usage": _usage(prompts, counts)})
+        body = self.decode_body(await request.read(), CompletionRequest)
+        return await self._respond(request, body, "completion", *await self.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, ChatCompletionRequest)
+        body = self.decode_body(await request.read(), ChatCompletionRequest)
+        return await self._respond(request, body, "chat", *await self.prepare(body))
+
+    def run(self, body: Body, rid: str, prompts: list[list[int]], max_tokens: int | None,
+            logprobs: int | None) -> AsyncIterator[Piece]:
+        """Start every choice (n per prompt, seeds seed, seed+1, ...); their pieces merged."""
         self._check_model(body.model)
-        messages = [{"role": m.role if m.role != "developer" else "system",
-                     "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content or [])}
-                    for m in body.messages]
-        prompt = await self._chat_prompt(messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = [self._sampling(body, len(prompt), max_tokens)]
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        pieces = self._pieces(rid, [prompt], params)
-        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        streams = []
+        for i, prompt in enumerate(prompts):
+            params = self._sampling(body, len(prompt), max_tokens, logprobs)
+            for j in range(body.n):
+                index = i * body.n + j
+                seeded = params if body.seed is None else msgspec.structs.replace(
+                    params, seed=body.seed + j)
+                sub_id = rid if len(prompts) * body.n == 1 else f"{rid}-{index}"
+                streams.append(generate(self.engine, self.tokenizer.hf, sub_id, index, prompt,
+                                        seeded, stop, body.priority))
+        return merge(streams)
 
-        def chunk(piece: Piece) -> dict:
-            delta = {"content": piece.text} if piece.text else {}
-            return {**head, "choices": [{"index": piece.index, "delta": delta, "logprobs": None,
-                                         "finish_reason": piece.finish_reason}]}
+    async def _respond(self, request: web.Request, body: Body, kind: str,
+                       prompts: list[list[int]], max_tokens: int | None,
+                       logprobs: int | None) -> web.StreamResponse:
+        chat = kind == "chat"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        pieces = self.run(body, rid, prompts, max_tokens, logprobs)
+        n = len(prompts) * body.n
+        echo = [""] * n
+        if not chat and body.echo:
+            echo = [self.tokenizer.hf.decode(prompts[i // body.n]) for i in range(n)]
+        offsets = [len(e) for e in echo]
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
 
+        def choice(piece: Piece) -> dict:
+            lp = None
+            if piece.logprobs:
+                lp = (chat_logprobs(piece, self.token_text) if chat else
+                      completion_logprobs(piece, self.token_text, offsets[piece.index]))
+            offsets[piece.index] += len(piece.text)
+            if chat:
+                delta = {"content": piece.text} if piece.text else {}
+                return {"index": piece.index, "delta": delta, "logprobs": lp,
+                        "finish_reason": piece.finish_reason}
+            return {"index": piece.index, "text": piece.text, "logprobs": lp,
+                    "finish_reason": piece.finish_reason}
+
+        prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-            return await self._sse(request, rid, pieces, chunk, first, [prompt], body)
-        texts, reasons, counts = await self._collect(pieces, 1)
-        return self._json({
-            **head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
-                         "logprobs": None, "finish_reason": reasons[0]}],
-            "usage": _usage([prompt], counts)})
+            first = [Piece(i, echo[i], 0) for i in range(n) if echo[i]]
+            opening = [{**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}
+                       for i in range(n)] if chat else []
+            return await self._sse(request, rid, pieces, head, choice, opening, first,
+                                   prompt_tokens, body)
+        texts: list[list[str]] = [[e] for e in echo]
+        reasons: list[str | None] = [None] * n
+        counts = [0] * n
+        lps: list[list[dict]] = [[] for _ in range(n)]
+        async with aclosing(pieces) as stream:
+            async for piece in stream:
+                c = choice(piece)
+                texts[piece.index].append(piece.text)
+                counts[piece.index] += piece.num_tokens
+                reasons[piece.index] = piece.finish_reason or reasons[piece.index]
+                if c["logprobs"]:
+                    lps[piece.index].append(c["logprobs"])
+        choices = []
+        for i in range(n):
+            text = "".join(texts[i])
+            out = ({"message": {"role": "assistant", "content": text}} if chat
+                   else {"text": text})
+            choices.append({"index": i, **out, "logprobs": merge_logprobs(lps[i]),
+                            "finish_reason": reasons[i]})
+        return self._json({**head, "object": "chat.completion" if chat else "text_completion",
+                           "choices": choices, "usage": usage(prompt_tokens, sum(counts))})
 
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{
@@ -201,51 +260,30 @@ class Frontend:
 
     # ---- response helpers ----
 
-    def _pieces(self, rid: str, prompts: list[list[int]], params: list[SamplingParams]
-                ) -> AsyncIterator[Piece]:
-        suffix = len(prompts) > 1
-        return merge([generate(self.engine, self.tokenizer.hf,
-                               f"{rid}-{i}" if suffix else rid, i, p, sp)
-                      for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
-
-    @staticmethod
-    async def _collect(pieces: AsyncIterator[Piece], n: int
-                       ) -> tuple[list[str], list[str | None], list[int]]:
-        texts: list[list[str]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        counts = [0] * n
-        async with aclosing(pieces) as stream:
-            async for piece in stream:
-                texts[piece.index].append(piece.text)
-                counts[piece.index] += piece.num_tokens
-                reasons[piece.index] = piece.finish_reason or reasons[piece.index]
-        return ["".join(t) for t in texts], reasons, counts
-
     async def _sse(self, request: web.Request, rid: str, pieces: AsyncIterator[Piece],
-                   chunk: Any, first: dict | None, prompts: list[list[int]],
-                   body: CompletionRequest | ChatCompletionRequest) -> web.StreamResponse:
+                   head: dict, choice: Callable[[Piece], dict], opening: list[dict],
+                   first: list[Piece], prompt_tokens: int, body: Body) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Request-Id": rid})
         await response.prepare(request)
-        counts = [0] * len(prompts)
-        if first is not None:
-            await response.write(_event(first))
+        generated = 0
         try:
+            for chunk in opening:
+                await response.write(_event(chunk))
+            for piece in first:
+                await response.write(_event({**head, "choices": [choice(piece)]}))
             async with aclosing(pieces) as stream:
                 async for piece in stream:
-                    counts[piece.index] += piece.num_tokens
-                    await response.write(_event(chunk(piece)))
+                    generated += piece.num_tokens
+                    await response.write(_event({**head, "choices": [choice(piece)]}))
+            if body.stream_options and body.stream_options.include_usage:
+                await response.write(_event({**head, "choices": [],
+                                             "usage": usage(prompt_tokens, generated)}))
         except ApiError as e:
             await response.write(_event(error_body(e.status, e.message)))
         except ConnectionResetError:
-            return response  # the client left; aclosing() has aborted its request
-        else:
-            if body.stream_options and body.stream_options.include_usage:
-                last = chunk(Piece(0, "", 0))
-                last["choices"] = []
-                last["usage"] = _usage(prompts, counts)
-                await response.write(_event(last))
+            return response  # the client left; aclosing() has aborted its requests
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -259,12 +297,6 @@ def _event(payload: dict) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def _usage(prompts: list[list[int]], counts: list[int]) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(counts),
-            "total_tokens": prompt_tokens + sum(counts)}
-
-
 def build_app(frontend: Frontend, max_body_bytes: int) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
@@ -273,4 +305,5 @@ def build_app(frontend: Frontend, max_body_bytes: int) -> web.Application:
     app.router.add_get("/stats", frontend.stats)
     app.router.add_post("/v1/completions", frontend.completions)
     app.router.add_post("/v1/chat/completions", frontend.chat_completions)
+    app.router.add_get("/v1/stream", lambda request: stream_socket(frontend, request))
     return app

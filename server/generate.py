@@ -12,24 +12,33 @@ from msgspec import Struct
 from server.detokenizer import Detokenizer
 from server.engine_client import EngineClient
 from server.errors import ApiError
-from surge.protocol import EngineRequest, SamplingParams
+from server.stop import StopMatcher
+from surge.protocol import EngineRequest, SamplingParams, TokenLogprobs
 
 
 class Piece(Struct):
-    index: int  # which choice (prompt of a batch) this belongs to
+    index: int  # which choice this belongs to
     text: str
-    num_tokens: int  # generated tokens this piece covers
+    num_tokens: int  # generated tokens this piece accounts for
     finish_reason: str | None = None
+    token_ids: list[int] = []  # with logprobs: the tokens whose logprobs follow
+    logprobs: list[TokenLogprobs] = []
 
 
 async def generate(engine: EngineClient, tokenizer: object, request_id: str, index: int,
-                   prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
-    """Text pieces of one completion; the request is aborted if the consumer stops early."""
+                   prompt_ids: list[int], sampling: SamplingParams, stop: list[str],
+                   priority: int = 0) -> AsyncIterator[Piece]:
+    """Text pieces of one completion; the request is aborted if the consumer stops early or
+    a stop string is found."""
     stream = engine.submit(EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                         sampling=sampling, arrival_time=time.time()))
+                                         sampling=sampling, arrival_time=time.time(),
+                                         priority=priority))
     detok = Detokenizer(tokenizer, prompt_ids)
+    stops = StopMatcher(stop) if stop else None
     finished = False
-    uncounted = 0  # tokens whose text is still held back (a character not yet complete)
+    uncounted = 0  # tokens whose text is still held back (a character or stop string unsure)
+    held_ids: list[int] = []
+    held_logprobs: list[TokenLogprobs] = []
     try:
         while not finished:
             out = await stream.get()
@@ -39,14 +48,24 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
                                out.error or "the engine failed this request")
             if out.finish_reason == "abort":
                 raise ApiError(503, "the request was aborted by the server")
+            reason = out.finish_reason
             shown = out.new_token_ids
-            if out.finish_reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
+            if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
                 shown = shown[:-1]  # the stop token itself is not part of the text
             text = detok.step(shown, final=finished)
+            if stops is not None:
+                text, hit = stops.feed(text, final=finished)
+                if hit:
+                    if not finished:
+                        engine.abort(request_id)
+                    finished, reason = True, "stop"
             uncounted += len(out.new_token_ids)
+            if out.logprobs:
+                held_ids += out.new_token_ids
+                held_logprobs += out.logprobs
             if text or finished:
-                yield Piece(index, text, uncounted, out.finish_reason)
-                uncounted = 0
+                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs)
+                uncounted, held_ids, held_logprobs = 0, [], []
     finally:
         if not finished:
             engine.abort(request_id)

@@ -7,9 +7,17 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 MaxTokens = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+Choices = Annotated[int, Meta(ge=1, le=16)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+Stop = str | Annotated[list[str], Meta(max_length=4)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -20,20 +28,33 @@ class _Common(Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send extras."""
 
     model: str | None = None
+    n: Choices = 1
     temperature: Temperature | None = None
+    top_p: TopP = 1.0
     seed: Seed | None = None
+    stop: Stop | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # surge extensions
+    # extensions, as in vLLM
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Probability = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    priority: int = 0
 
 
 class CompletionRequest(_Common, kw_only=True):
     # A string, a list of token ids, or a batch of either.
     prompt: str | list[str | TokenId | list[TokenId]]
     max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    echo: bool = False
 
 
 class TextPart(Struct, kw_only=True):
@@ -51,3 +72,5 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None

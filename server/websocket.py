@@ -1,0 +1,124 @@
+"""WebSocket /v1/stream: many requests multiplexed on one socket, each with its own id.
+
+Client -> server: {"type": "request", "id": ID, "endpoint": "completions" |
+"chat.completions", "body": {...}} and {"type": "cancel", "id": ID}.
+Server -> client: {"type": "delta", "id", "index", "text"} ... then {"type": "done", "id",
+"finish_reason", "usage"}, or {"type": "error", "id", "error": {...}} for a bad request, a bad
+message or a failed generation; the socket stays open. Closing it aborts all its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import WSMsgType, web
+
+from server.errors import ApiError, error_body
+from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.responses import usage
+
+if TYPE_CHECKING:
+    from server.app import Frontend
+
+_KINDS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
+_HEARTBEAT_S = 20.0
+
+
+class _Message(msgspec.Struct, kw_only=True):
+    type: str
+    id: str | None = None
+    endpoint: str | None = None
+    body: msgspec.Raw | None = None
+
+
+async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=_HEARTBEAT_S,
+                               max_msg_size=request.app["max_body_bytes"])
+    await ws.prepare(request)
+    jobs: dict[str, asyncio.Task] = {}
+    send_lock = asyncio.Lock()
+
+    async def send(payload: dict) -> None:
+        async with send_lock:
+            if not ws.closed:
+                with contextlib.suppress(ConnectionResetError):  # the client is gone
+                    await ws.send_str(msgspec.json.encode(payload).decode())
+
+    async def error(rid: str | None, status: int, message: str, param: str | None = None
+                    ) -> None:
+        await send({"type": "error", "id": rid, "error": error_body(status, message,
+                                                                     param)["error"]})
+
+    async def serve(rid: str, kind: type, raw: bytes) -> None:
+        try:
+            body = frontend.decode_body(raw, kind)
+            prompts, max_tokens, logprobs = await frontend.prepare(body)
+            pieces = frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
+                                  logprobs)
+            reasons: dict[int, str | None] = {}
+            generated = 0
+            async with aclosing(pieces) as stream:
+                async for piece in stream:
+                    generated += piece.num_tokens
+                    if piece.text:
+                        await send({"type": "delta", "id": rid, "index": piece.index,
+                                    "text": piece.text})
+                    if piece.finish_reason:
+                        reasons[piece.index] = piece.finish_reason
+            done = {"type": "done", "id": rid, "finish_reason": reasons.get(0),
+                    "usage": usage(sum(len(p) for p in prompts), generated)}
+            if len(reasons) > 1:
+                done["finish_reasons"] = [reasons[i] for i in sorted(reasons)]
+            await send(done)
+        except ApiError as e:
+            await error(rid, e.status, e.message, e.param)
+        except asyncio.CancelledError:
+            await send({"type": "done", "id": rid, "finish_reason": "cancelled", "usage": None})
+        finally:
+            jobs.pop(rid, None)
+
+    try:
+        async for msg in ws:
+            if msg.type != WSMsgType.TEXT:
+                if msg.type == WSMsgType.BINARY:
+                    await error(None, 400, "send JSON text messages, not binary")
+                continue
+            try:
+                m = msgspec.json.decode(msg.data, type=_Message)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                await error(None, 400, f"message is not a valid JSON object: {e}")
+                continue
+            await _dispatch(m, jobs, serve, error)
+    finally:
+        for job in list(jobs.values()):  # a closed socket aborts every request on it
+            job.cancel()
+        await asyncio.gather(*jobs.values(), return_exceptions=True)
+    return ws
+
+
+async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, error: Any) -> None:
+    if m.type == "cancel":
+        job = jobs.get(m.id or "")
+        if job is None:
+            await error(m.id, 404, f"no request {m.id!r} is running on this socket")
+        else:
+            job.cancel()
+        return
+    if m.type != "request":
+        await error(m.id, 400, f"unknown message type {m.type!r}; use request or cancel")
+        return
+    if not m.id:
+        await error(None, 400, "a request needs an id")
+    elif m.id in jobs:
+        await error(m.id, 400, f"request id {m.id!r} is already running on this socket")
+    elif m.endpoint not in _KINDS:
+        await error(m.id, 400, f"endpoint must be one of {', '.join(_KINDS)}")
+    elif m.body is None:
+        await error(m.id, 400, "a request needs a body")
+    else:
+        jobs[m.id] = asyncio.create_task(serve(m.id, _KINDS[m.endpoint], bytes(m.body)))
