@@ -21,6 +21,7 @@ from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.websocket import stream_socket
+from surge.config import ServerConfig
 from surge.protocol import SamplingParams
 
 log = logging.getLogger("surge.frontend")
@@ -33,7 +34,8 @@ _INLINE_TOKENIZE_CHARS = 4096
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, cfg: ServerConfig) -> None:
+        self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
         self.model_name = model_name
@@ -42,6 +44,13 @@ class Frontend:
         self.created = int(time.time())
 
     # ---- request parsing ----
+
+    async def read_body(self, request: web.Request) -> bytes:
+        try:
+            return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.cfg.body_timeout_s:g}s") from None
 
     def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():
@@ -109,6 +118,10 @@ class Frontend:
                   logprobs: int | None) -> SamplingParams:
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        limit = self.cfg.max_prompt_tokens
+        if limit and prompt_len > limit:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this server accepts at "
+                                f"most {limit} (max_prompt_tokens)", param="prompt")
         room = self.max_model_len - prompt_len
         ready = self.engine.ready.result()
         capacity = ready.num_blocks * ready.block_size
@@ -161,11 +174,11 @@ class Frontend:
                 logprobs)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = self.decode_body(await request.read(), CompletionRequest)
+        body = self.decode_body(await self.read_body(request), CompletionRequest)
         return await self._respond(request, body, "completion", *await self.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = self.decode_body(await request.read(), ChatCompletionRequest)
+        body = self.decode_body(await self.read_body(request), ChatCompletionRequest)
         return await self._respond(request, body, "chat", *await self.prepare(body))
 
     def run(self, body: Body, rid: str, prompts: list[list[int]], max_tokens: int | None,
@@ -297,7 +310,8 @@ def _event(payload: dict) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def build_app(frontend: Frontend, max_body_bytes: int) -> web.Application:
+def build_app(frontend: Frontend) -> web.Application:
+    max_body_bytes = frontend.cfg.max_body_bytes
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     app.router.add_get("/health", frontend.health)

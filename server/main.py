@@ -19,7 +19,6 @@ from surge.process import child_setup
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.frontend")
-MAX_BODY_BYTES = 4 * 2**20
 
 
 async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
@@ -29,9 +28,9 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     tokenizer = Tokenizer(files)
     engine = EngineClient(channels)
     frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
-                        max_model_len(files))
+                        max_model_len(files), cfg.server)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
-    runner = web.AppRunner(build_app(frontend, MAX_BODY_BYTES), handler_cancellation=True,
+    runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)

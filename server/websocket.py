@@ -33,7 +33,7 @@ class _Message(msgspec.Struct, kw_only=True):
     type: str
     id: str | None = None
     endpoint: str | None = None
-    body: msgspec.Raw | None = None
+    body: msgspec.Raw = msgspec.Raw(b"")  # kept raw: decoded later by the endpoint's type
 
 
 async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSocketResponse:
@@ -118,7 +118,7 @@ async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, erro
         await error(m.id, 400, f"request id {m.id!r} is already running on this socket")
     elif m.endpoint not in _KINDS:
         await error(m.id, 400, f"endpoint must be one of {', '.join(_KINDS)}")
-    elif m.body is None:
+    elif not m.body:
         await error(m.id, 400, "a request needs a body")
     else:
         jobs[m.id] = asyncio.create_task(serve(m.id, _KINDS[m.endpoint], bytes(m.body)))

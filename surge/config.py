@@ -37,6 +37,16 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["debug", "info", "warning", "error"], Meta(description="log verbosity")
     ] = "info"
     log_json: Annotated[bool, Meta(description="write logs as JSON lines")] = False
+    max_body_bytes: Annotated[
+        int, Meta(ge=1024, description="largest request body; larger ones get 413")
+    ] = 4 * 2**20
+    body_timeout_s: Annotated[
+        float, Meta(gt=0, description="a client that takes longer to send its body gets 408")
+    ] = 30.0
+    max_prompt_tokens: Annotated[
+        int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
+                  "window)")
+    ] = 0
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,306 @@
+"""Every OpenAI parameter honoured or refused clearly, WebSocket streaming, cancellation, and a
+fuzzed wall of bad input, against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.prompts import CHAT, RAW
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--body-timeout-s", "2", "--max-prompt-tokens", "2000").wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _post(server, path: str, body: bytes | str | dict) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else (
+        body.encode() if isinstance(body, str) else body)
+    req = urllib.request.Request(f"{server.url}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def _stats(server) -> dict:
+    with urllib.request.urlopen(f"{server.url}/stats") as r:
+        return json.load(r)
+
+
+# ---- sampling parameters ----
+
+def test_stop_string_across_tokens(client):
+    args = dict(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=30)
+    full = client.completions.create(**args).choices[0].text
+    # A stop string starting in the middle of a word, so it spans a token boundary.
+    stop = full[len(full) // 2 - 2 : len(full) // 2 + 3]
+    assert stop.strip() and stop in full
+    r = client.completions.create(**args, stop=[stop, "never-appears"])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 30  # generation stopped early in the engine too
+    chunks = [c.choices[0].text for c in client.completions.create(**args, stop=stop,
+                                                                   stream=True) if c.choices]
+    assert "".join(chunks) == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("prompt", ["北京是中国的首都，上海是", "Emoji story: 🐱🐶🐭🐹🐰"])
+def test_stop_string_with_multibyte_text(client, prompt):
+    args = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+    full = client.completions.create(**args).choices[0].text
+    wide = [c for c in full if ord(c) > 0x2000]
+    assert len(wide) > 1, full
+    stop = wide[len(wide) // 2]
+    streamed = "".join(c.choices[0].text for c in
+                       client.completions.create(**args, stop=stop, stream=True) if c.choices)
+    assert streamed == full[: full.index(stop)]
+    assert "\ufffd" not in streamed
+
+
+def test_n_choices_with_seed(client):
+    args = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3, seed=7,
+                temperature=1.0)
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    assert a.usage.completion_tokens == 36
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT[0], n=2, temperature=0,
+                                          max_tokens=20)
+    assert [c.message.content for c in chat.choices] == ["The capital of France is Paris."] * 2
+
+
+def test_logprobs_match_the_reference(client, tokenizer, reference):
+    prompt = tokenizer.encode(RAW[0])
+    want = reference.greedy(prompt, 8)
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    ref = reference.log_probs(prompt + want)
+    for i, token in enumerate(want):
+        expected = ref[len(prompt) - 1 + i]
+        assert lp.token_logprobs[i] == pytest.approx(expected[token].item(), abs=1e-3)
+        top = expected.topk(3)
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(top.values.tolist(),
+                                                                   abs=1e-3)
+    assert lp.tokens == [tokenizer.hf.decode([t]) for t in want]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
+                                          max_tokens=5, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_filters_penalties_bias_and_min_tokens(client, tokenizer):
+    base = dict(model=MODEL, prompt=RAW[2], max_tokens=10)
+    greedy = client.completions.create(**base, temperature=0).choices[0].text
+    # top_k=1 at temperature 1 is greedy; so is a tiny top_p.
+    assert client.completions.create(**base, temperature=1, seed=1,
+                                     extra_body={"top_k": 1}).choices[0].text == greedy
+    assert client.completions.create(**base, temperature=1, seed=2,
+                                     top_p=1e-6).choices[0].text == greedy
+    banned = tokenizer.encode(" 6")[0]
+    biased = client.completions.create(**base, temperature=0,
+                                       logit_bias={str(banned): -100}).choices[0].text
+    assert " 6" in greedy and " 6" not in biased
+    penalized = client.completions.create(**base, temperature=0, frequency_penalty=2.0,
+                                          presence_penalty=2.0).choices[0].text
+    assert penalized != greedy
+    short = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
+                                           max_tokens=40, extra_body={"min_tokens": 12})
+    assert short.usage.completion_tokens >= 12
+    assert short.choices[0].message.content.startswith("The capital of France is Paris.")
+
+
+def test_echo_and_priority(client):
+    r = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=5,
+                                  echo=True, extra_body={"priority": -5})
+    plain = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=5)
+    assert r.choices[0].text == RAW[0] + plain.choices[0].text
+
+
+# ---- WebSocket ----
+
+def test_websocket_multiplexing_cancel_and_errors(server):
+    async def main() -> dict[str, list[dict]]:
+        seen: dict[str, list[dict]] = {}
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(f"{server.url}/v1/stream") as ws:
+            await ws.send_json({"type": "request", "id": "a", "endpoint": "completions",
+                                "body": {"prompt": RAW[0], "max_tokens": 12,
+                                         "temperature": 0}})
+            await ws.send_json({"type": "request", "id": "b", "endpoint": "chat.completions",
+                                "body": {"messages": CHAT[0], "max_tokens": 30,
+                                         "temperature": 0}})
+            await ws.send_json({"type": "request", "id": "long", "endpoint": "completions",
+                                "body": {"prompt": "Count:", "max_tokens": 2000,
+                                         "ignore_eos": True}})
+            await ws.send_str("{not json")
+            await ws.send_json({"type": "request", "id": "bad", "endpoint": "completions",
+                                "body": {"prompt": "x", "temperature": -3}})
+            done = 0
+            async for msg in ws:
+                m = json.loads(msg.data)
+                seen.setdefault(m.get("id") or "?", []).append(m)
+                if m["id"] == "long" and m["type"] == "delta" and len(seen["long"]) == 3:
+                    await ws.send_json({"type": "cancel", "id": "long"})
+                if m["type"] in ("done", "error") and m["id"] in ("a", "b", "long", "bad"):
+                    done += 1
+                    if done == 4:
+                        break
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 120))
+    assert seen["?"][0]["type"] == "error"  # the malformed message; the socket lived on
+    assert seen["bad"][-1]["type"] == "error" and seen["bad"][-1]["error"]["param"]
+    text_b = "".join(m["text"] for m in seen["b"] if m["type"] == "delta")
+    assert text_b == "The capital of France is Paris."
+    assert seen["b"][-1]["finish_reason"] == "stop"
+    assert seen["a"][-1]["usage"]["completion_tokens"] == 12
+    assert seen["long"][-1] == {"type": "done", "id": "long", "finish_reason": "cancelled",
+                                "usage": None}
+
+
+# ---- cancellation ----
+
+def test_dropped_streams_are_aborted_and_blocks_freed(server):
+    async def main() -> float:
+        async with aiohttp.ClientSession() as session:
+            async def one() -> None:
+                async with session.post(f"{server.url}/v1/completions", json={
+                        "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True,
+                        "stream": True}) as r:
+                    chunks = 0
+                    async for line in r.content:
+                        chunks += line.startswith(b"data: ")
+                        if chunks == 3:
+                            return  # leaves the stream unread: the connection is closed
+            await asyncio.gather(*[one() for _ in range(16)])
+        return time.time()
+
+    closed = asyncio.run(main())
+    deadline = closed + 10
+    while time.time() < deadline:
+        stats = _stats(server)
+        if stats["time"] > closed and stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats
+    print(f"\n  16 dropped streams: scheduler empty {stats['time'] - closed:.2f}s after close")
+    assert stats["time"] - closed <= 2.0
+
+
+# ---- the bad-input wall ----
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
+    ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
+    ({"prompt": "hi", "seed": "x"}, "seed"),
+    ({"prompt": "hi " * 2500}, "prompt"),
+])
+def test_bad_parameters(server, body, param):
+    code, payload = _post(server, "/v1/completions", body)
+    assert code == 400, payload
+    assert payload["error"]["param"] == param, payload
+
+
+def test_chat_bad_parameters(server):
+    code, payload = _post(server, "/v1/chat/completions",
+                          {"messages": CHAT[0], "top_logprobs": 2})
+    assert code == 400 and payload["error"]["param"] == "top_logprobs"
+    code, payload = _post(server, "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    assert code == 400
+
+
+def test_body_too_large(server):
+    code, payload = _post(server, "/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    assert code == 413 and "bytes" in payload["error"]["message"]
+
+
+def test_slow_body_is_timed_out(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        s.settimeout(10)
+        started = time.monotonic()
+        reply = s.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert time.monotonic() - started < 5
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                      children, max_size=4),
+    max_leaves=8)
+fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
+          "seed", "logprobs", "echo", "logit_bias", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "stream_options",
+          "priority", "model", "user"]
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(fields), json_values, st.booleans())
+def test_fuzzed_bodies_never_break_the_server(server, field, value, chat):
+    body: dict = {"max_tokens": 3, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    body[field if not (chat and field == "prompt") else "messages"] = value
+    data = json.dumps(body, allow_nan=True).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(f"{server.url}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+            r.readline()  # the first event; closing here also exercises the abort path
+    except urllib.error.HTTPError as e:
+        assert 400 <= e.code < 500, (e.code, e.read())
+        assert json.load(e)["error"]["message"]
+
+
+def test_healthy_and_correct_after_the_wall(client, server):
+    with urllib.request.urlopen(f"{server.url}/health") as r:
+        assert r.status == 200
+    r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
+                                       max_tokens=30)
+    assert r.choices[0].message.content == "The capital of France is Paris."
