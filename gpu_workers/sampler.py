@@ -78,21 +78,33 @@ class SamplingBatch(Struct, kw_only=True):
             batch.presence = column([p.presence_penalty for p in params])
             batch.frequency = column([p.frequency_penalty for p in params])
             batch.repetition = column([p.repetition_penalty for p in params])
-            counts = torch.zeros(len(seqs), vocab, device=device)
-            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+            # Flat (row, token) lists, then one scatter each for the whole batch.
+            seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
             for i, (s, toks) in enumerate(zip(seqs, histories, strict=True)):
                 if toks is not None:
-                    out = column(toks[s.num_prompt_tokens :], torch.int64)
-                    counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-                    seen[i, column(toks, torch.int64)] = True
+                    seen_rows += [i] * len(toks)
+                    seen_ids += toks
+                    out_rows += [i] * (len(toks) - s.num_prompt_tokens)
+                    out_ids += toks[s.num_prompt_tokens :]
+            counts = torch.zeros(len(seqs), vocab, device=device)
+            counts.index_put_((column(out_rows, torch.int64), column(out_ids, torch.int64)),
+                              torch.ones(len(out_ids), device=device), accumulate=True)
+            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+            seen[column(seen_rows, torch.int64), column(seen_ids, torch.int64)] = True
             batch.output_counts, batch.seen = counts, seen
-        if any(p.logit_bias or s.ban_stop_tokens for s, p in zip(seqs, params, strict=True)):
+        bias_rows, bias_ids, bias_values = [], [], []
+        for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias_values += p.logit_bias.values()
+            if s.ban_stop_tokens:
+                bias_rows += [i] * len(p.stop_token_ids)
+                bias_ids += p.stop_token_ids
+                bias_values += [float("-inf")] * len(p.stop_token_ids)
+        if bias_rows:
             bias = torch.zeros(len(seqs), vocab, device=device)
-            for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
-                for token, value in p.logit_bias.items():
-                    bias[i, token] = value
-                if s.ban_stop_tokens and p.stop_token_ids:
-                    bias[i, column(p.stop_token_ids, torch.int64)] = float("-inf")
+            bias.index_put_((column(bias_rows, torch.int64), column(bias_ids, torch.int64)),
+                            column(bias_values), accumulate=True)
             batch.bias = bias
         return batch
 

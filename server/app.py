@@ -279,9 +279,9 @@ class Frontend:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Request-Id": rid})
-        await response.prepare(request)
         generated = 0
         try:
+            await response.prepare(request)
             for chunk in opening:
                 await response.write(_event(chunk))
             for piece in first:

@@ -54,16 +54,27 @@ class EngineClient:
                     if out.finish_reason is not None:
                         del self.streams[out.request_id]
 
+    def _send(self, data: bytes) -> None:
+        # Queued by ZeroMQ when the scheduler is slow to take it; a send that fails later
+        # (only while shutting down) is logged here rather than lost in an unread future.
+        sent = self.requests.send(data)
+        sent.add_done_callback(_report_send_failure)
+
     def submit(self, request: EngineRequest) -> asyncio.Queue[RequestOutput]:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.streams[request.request_id] = stream
-        self.requests.send(encode(request))
+        self._send(encode(request))
         return stream
 
     def abort(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:
-            self.requests.send(encode(AbortRequest([request_id])))
+            self._send(encode(AbortRequest([request_id])))
 
     def close(self) -> None:
         self._reader.cancel()
         self.ctx.destroy(linger=0)
+
+
+def _report_send_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.debug("a message to the scheduler was dropped: %s", sent.exception())

@@ -52,6 +52,10 @@ async def error_middleware(
         if e.status == 405 and "Allow" in e.headers:
             response.headers["Allow"] = e.headers["Allow"]
         return response
+    except ConnectionResetError:
+        # The client is gone (mid-body or mid-stream): nobody to answer, nothing went wrong
+        # here. 499 is nginx's "client closed request"; aiohttp drops it quietly.
+        return web.Response(status=499)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal server error; see the server log")
