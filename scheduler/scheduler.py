@@ -107,7 +107,9 @@ class Scheduler:
         """Pack the next step within the token budget: decodes first, then the chunks of
         prompts being prefilled, then waiting requests (long prompts split across steps)."""
         budget = self.cfg.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
+        # Planned on the spot, so that blocks a prompt fills are named before the next waiting
+        # request looks them up: n choices of one prompt share it within the same step.
+        chosen: list[ScheduledSeq] = []
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0:
@@ -120,14 +122,14 @@ class Scheduler:
             need = seq.num_computed_tokens + n
             while self.blocks.blocks_needed(seq, need) > self.blocks.num_free:
                 # Never a sequence already in this step: its slots are about to be written.
-                taken = {s.seq_id for s, _ in chosen}
+                taken = {s.seq_id for s in chosen}
                 victim = self._victim([s for s in self.running if s.seq_id not in taken])
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
                 self.blocks.allocate(seq, need)
-                chosen.append((seq, n))
+                chosen.append(self._scheduled(seq, n))
                 budget -= n
         for seq in self._admission_order():
             if budget == 0 or len(self.running) == self.cfg.max_num_seqs:
@@ -144,11 +146,11 @@ class Scheduler:
             self.blocks.allocate(seq, cached + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chosen.append((seq, n))
+            chosen.append(self._scheduled(seq, n))
             budget -= n
         if not chosen:
             return None
-        plan = StepPlan(self._next_step_id, [self._scheduled(seq, n) for seq, n in chosen])
+        plan = StepPlan(self._next_step_id, chosen)
         self._next_step_id += 1
         return plan
 

@@ -294,3 +294,14 @@ def test_request_without_tokens_to_generate_is_refused():
         error = sched.add(_request(rid, prompt, max_tokens))
         assert error is not None and error.finish_reason == "error"
     assert not sched.has_work()
+
+
+def test_identical_prompts_share_blocks_within_one_step():
+    """n choices of one prompt arrive together: the first computes it, the others reuse it."""
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=512), num_blocks=64)
+    for i in range(3):
+        sched.add(_request(f"choice{i}", list(range(100, 118)), 4))
+    plan = sched.schedule()
+    assert [(s.start_pos, len(s.token_ids)) for s in plan.seqs] == [(0, 18), (16, 2), (16, 2)]
+    first, second, _ = (sched.seqs[s.seq_id] for s in plan.seqs)
+    assert first.block_table[:4] == second.block_table[:4]
