@@ -61,6 +61,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
         runner, ready = _load(cfg, rank)
+        ring.skip_to_end()
         results.send(encode(ready))
         status.put((f"worker {rank}", ready.description))
         decoder = msgspec.msgpack.Decoder(PlanMessage)

@@ -100,6 +100,14 @@ class BlockManager:
                 self.by_hash[h] = block
                 self.name_of[block] = (h, tokens)
 
+    def forget_contents(self) -> None:
+        """The KV cache was lost (a new worker): no block holds anything reusable now."""
+        assert not any(self.ref_count), "forget_contents with blocks still held"
+        self.unnamed.extend(self.evictable)
+        self.evictable.clear()
+        self.name_of.clear()
+        self.by_hash.clear()
+
     # ---- allocation ----
 
     def _take(self, block: int) -> None:

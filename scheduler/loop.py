@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from scheduler.scheduler import Scheduler
-from shm.ring import RingBuffer
+from shm.ring import RingBuffer, RingClosed
 from surge.config import SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
@@ -37,7 +37,11 @@ _STATS_INTERVAL_S = 1.0
 
 
 class WorkerError(RuntimeError):
-    pass
+    """The workers are gone for good."""
+
+
+class WorkerLost(RuntimeError):
+    """A worker died; the supervisor is starting another."""
 
 
 class SchedulerLoop:
@@ -61,12 +65,41 @@ class SchedulerLoop:
         self.worker_compute_s = 0.0
         self.worker_wait_s = 0.0
         self._stats_sent = 0.0
+        self._early: deque[Any] = deque()  # worker messages read while writing a plan
+        self._stalled = False  # work is queued but nothing could be planned
+        self._continuous = False  # the engine had work when the last result came back
 
     def _worker_message(self) -> Any:
-        msg = self.worker_decoder.decode(self.results.recv())
+        msg = self._early.popleft() if self._early else \
+            self.worker_decoder.decode(self.results.recv())
         if isinstance(msg, WorkerFailed):
-            raise WorkerError(f"worker {msg.rank} failed: {msg.error}")
+            error = f"worker {msg.rank} failed: {msg.error}"
+            raise WorkerError(error) if msg.fatal else WorkerLost(error)
         return msg
+
+    def _worker_failed(self) -> bool:
+        """While a plan waits for ring space: has a worker died (so nobody will read it)?"""
+        while self.results.poll(0):
+            self._early.append(self.worker_decoder.decode(self.results.recv()))
+        return any(isinstance(m, WorkerFailed) for m in self._early)
+
+    def _recover(self, reason: WorkerLost) -> None:
+        """Wait for the replacement worker, then recompute every request from its tokens: the
+        clients see a pause, not an error."""
+        log.warning("%s; waiting for a new worker, then recomputing %d requests", reason,
+                    len(self.scheduler.requests) if self.scheduler else 0)
+        assert self.scheduler is not None
+        self.scheduler.restart()
+        self._early = deque(m for m in self._early if not isinstance(m, StepResult))
+        while True:
+            try:
+                msg = self._worker_message()
+            except WorkerLost as again:
+                log.warning("%s", again)
+                continue
+            if isinstance(msg, WorkerReady):
+                log.info("worker %d is back: %s", msg.rank, msg.description)
+                return
 
     def wait_for_workers(self) -> EngineReady:
         readies: list[WorkerReady] = []
@@ -104,35 +137,44 @@ class SchedulerLoop:
     def run(self) -> None:
         """Keep up to two steps in flight (one computing, the next queued behind it), so the
         worker never waits for this loop; one at a time without async_scheduling."""
-        sched = self.scheduler
-        assert sched is not None
         depth = 2 if self.cfg.scheduler.async_scheduling else 1
         inflight: deque[StepPlan] = deque()
-        stalled = continuous = False
         while True:
-            busy = bool(inflight) or (sched.has_work() and not stalled)
-            self._take_requests(0 if busy else (5 if stalled else _IDLE_POLL_MS))
-            if not inflight:
-                self._gather_batch()
-            plan = sched.schedule() if len(inflight) < depth else None
-            if plan is not None:
-                self.ring.put(encode(plan))
-                inflight.append(plan)
-                self.steps += 1
-                self.scheduled_tokens += sum(len(s.token_ids) for s in plan.seqs)
-            stalled = plan is None and not inflight and sched.has_work()
-            if inflight and (plan is None or len(inflight) == depth):
-                result = self._worker_message()
-                assert isinstance(result, StepResult), result
-                self.worker_compute_s += result.compute_s
-                if continuous:  # the worker's wait before an idle engine's first step is not
-                    self.worker_wait_s += result.wait_s  # overhead, just an empty queue
-                outputs = sched.update(inflight.popleft(), result)
-                continuous = sched.has_work()
-                self.generated_tokens += len(outputs)
-                if outputs:
-                    self.outputs.send(encode(EngineOutputs(outputs)))
-            self._send_stats()
+            try:
+                self._step(inflight, depth)
+            except (WorkerLost, RingClosed) as e:
+                inflight.clear()  # those plans died with the worker
+                self._recover(e if isinstance(e, WorkerLost) else WorkerLost("a worker died"))
+                self._stalled = self._continuous = False
+
+    def _step(self, inflight: deque[StepPlan], depth: int) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        busy = bool(inflight) or (sched.has_work() and not self._stalled)
+        self._take_requests(0 if busy else (5 if self._stalled else _IDLE_POLL_MS))
+        if not inflight:
+            self._gather_batch()
+        plan = sched.schedule() if len(inflight) < depth else None
+        if plan is not None:
+            self.ring.put(encode(plan), should_stop=self._worker_failed)
+            inflight.append(plan)
+            self.steps += 1
+            self.scheduled_tokens += sum(len(s.token_ids) for s in plan.seqs)
+        self._stalled = plan is None and not inflight and sched.has_work()
+        if inflight and (plan is None or len(inflight) == depth):
+            result = self._worker_message()
+            while result.step_id < inflight[0].step_id:
+                result = self._worker_message()  # a step planned before a worker was replaced
+            assert isinstance(result, StepResult) and result.step_id == inflight[0].step_id
+            self.worker_compute_s += result.compute_s
+            if self._continuous:  # the worker's wait before an idle engine's first step is
+                self.worker_wait_s += result.wait_s  # not overhead, just an empty queue
+            outputs = sched.update(inflight.popleft(), result)
+            self._continuous = sched.has_work()
+            self.generated_tokens += len(outputs)
+            if outputs:
+                self.outputs.send(encode(EngineOutputs(outputs)))
+        self._send_stats()
 
     def _gather_batch(self) -> None:
         """With batch_wait_ms, an idle engine waits a moment after the first arrival so that

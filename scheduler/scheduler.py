@@ -99,6 +99,19 @@ class Scheduler:
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
 
+    def restart(self) -> None:
+        """The worker and its KV cache are gone: every sequence starts over from the tokens it
+        has (the ones in flight are sampled again, identically, from their seed and position)."""
+        for seq in reversed(self.running):
+            self.blocks.free(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        self.running.clear()
+        for seq in self.waiting:
+            seq.num_computed_tokens = 0
+            seq.num_pending = 0
+        self.blocks.forget_contents()
+
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """The least urgent sequence, the latest arrival among equals."""
         return max(reversed(candidates), key=lambda s: (s.priority, s.arrival_time))

@@ -115,6 +115,12 @@ class RingBuffer:
             if not more:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def skip_to_end(self) -> None:
+        """A reader replacing a dead one: ignore everything written before it attached (the
+        writer re-sends what still matters, and writes nothing until this reader is ready)."""
+        assert self.reader is not None
+        self._set_counter(1 + self.reader, self._counter(0))
+
     def close(self) -> None:
         self._mm.close()
 

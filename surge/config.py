@@ -79,10 +79,18 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = "1GiB"
 
 
+class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    max_worker_restarts: Annotated[
+        int, Meta(ge=0, description="worker restarts allowed within a minute before surge "
+                  "gives up (requests then end with 503)")
+    ] = 3
+
+
 class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
 
 
 SECTIONS: dict[str, type[Struct]] = {

@@ -148,6 +148,9 @@ class StepResult(Struct, tag=True):
 class WorkerFailed(Struct, tag=True):
     rank: int
     error: str
+    # False: a new worker is (or may be) on its way, so the scheduler waits and recomputes;
+    # True: the supervisor gave up, so every request ends with an error.
+    fatal: bool = False
 
 
 FrontendMessage = EngineRequest | AbortRequest

@@ -12,13 +12,18 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import zmq
+
+from gpu_workers.worker import run_worker
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
 from surge.log import setup_logging
+from surge.protocol import WorkerFailed, encode
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.supervisor")
 _STOP_TIMEOUT_S = 10.0
+_RESTART_WINDOW_S = 60.0
 
 
 class Supervisor:
@@ -30,6 +35,11 @@ class Supervisor:
         self.procs: list[BaseProcess] = []
         self.stopping = False
         self.ring: RingBuffer | None = None
+        self.restarts: list[float] = []
+        # To speak for a worker that died without a word (see _tell_scheduler).
+        self.zmq = zmq.Context()
+        self.results = self.zmq.socket(zmq.PUSH)
+        self.results.connect(self.channels.results)
 
     def _start(self, name: str, target: Any, *args: Any) -> None:
         proc = self.ctx.Process(target=target, name=name, args=(self.cfg, self.channels, *args),
@@ -38,7 +48,6 @@ class Supervisor:
         self.procs.append(proc)
 
     def start(self) -> None:
-        from gpu_workers.worker import run_worker
         from scheduler.loop import run_scheduler
         from server.main import run_frontend
 
@@ -65,36 +74,44 @@ class Supervisor:
         return not pending
 
     def watch(self) -> int:
-        """Block until a stop signal or a child's death; the exit code for `surge serve`."""
+        """Block until a stop signal or a child's death; the exit code for `surge serve`.
+        A dead worker is replaced (the scheduler recomputes its requests) unless it died too
+        often lately; any other death stops surge."""
         while not self.stopping:
-            ready = wait([p.sentinel for p in self.procs], timeout=0.2)
-            if ready:
-                dead = next(p for p in self.procs if p.exitcode is not None)
+            if not wait([p.sentinel for p in self.procs], timeout=0.2):
+                continue
+            dead = next(p for p in self.procs if p.exitcode is not None)
+            if not dead.name.startswith("worker"):
                 log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
                           dead.exitcode)
-                if dead.name.startswith("worker"):
-                    self._report_dead_worker(dead)
                 return 1
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < _RESTART_WINDOW_S]
+            if len(self.restarts) >= self.cfg.supervisor.max_worker_restarts:
+                log.error("%s exited (code %s) after %d restarts in %.0fs; giving up",
+                          dead.name, dead.exitcode, len(self.restarts), _RESTART_WINDOW_S)
+                self._tell_scheduler(dead, fatal=True)
+                self._wait_for_answers()
+                return 1
+            self.restarts.append(now)
+            log.warning("%s exited (code %s); starting a new one", dead.name, dead.exitcode)
+            self._tell_scheduler(dead, fatal=False)
+            rank = int(dead.name.split()[-1])
+            self.procs.remove(dead)
+            self._start(dead.name, run_worker, rank, self.status)
         return 0
 
-    def _report_dead_worker(self, dead: BaseProcess) -> None:
-        """A worker killed outright says nothing: tell the scheduler, so that it ends every
-        request with an error the clients receive before the frontend stops."""
-        import zmq
+    def _tell_scheduler(self, dead: BaseProcess, fatal: bool) -> None:
+        """A worker killed outright says nothing itself: say it for it."""
+        rank = int(dead.name.split()[-1])
+        error = f"exited with code {dead.exitcode}"
+        self.results.send(encode(WorkerFailed(rank, error, fatal)))
 
-        from surge.protocol import WorkerFailed, encode
-
-        ctx = zmq.Context()
-        try:
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(self.channels.results)
-            sock.send(encode(WorkerFailed(int(dead.name.split()[-1]),
-                                          f"exited with code {dead.exitcode}")))
-            scheduler = next(p for p in self.procs if p.name == "scheduler")
-            scheduler.join(_STOP_TIMEOUT_S / 2)
-            time.sleep(0.5)  # let the frontend write the error answers out
-        finally:
-            ctx.destroy(linger=500)
+    def _wait_for_answers(self) -> None:
+        """Let the scheduler end every request and the frontend write the errors out."""
+        scheduler = next(p for p in self.procs if p.name == "scheduler")
+        scheduler.join(_STOP_TIMEOUT_S / 2)
+        time.sleep(0.5)
 
     def stop(self) -> None:
         """Stop the frontend first (no new work), then the scheduler, then the workers."""
@@ -108,6 +125,7 @@ class Supervisor:
                 proc.join()
         self.status.close()
         self.status.join_thread()
+        self.zmq.destroy(linger=0)
         if self.ring is not None:
             self.ring.close()
             self.ring.unlink()
