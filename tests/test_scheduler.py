@@ -125,12 +125,13 @@ actions = st.lists(
         st.tuples(st.just("add"), prompts, st.integers(1, 20), st.integers(0, 2)),
         st.tuples(st.just("step"), st.none(), st.none(), st.none()),
         st.tuples(st.just("abort"), st.none(), st.integers(0, 30), st.none()),
+        st.tuples(st.just("worker lost"), st.none(), st.none(), st.none()),
     ),
     max_size=60,
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
        st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans())
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
@@ -186,6 +187,13 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
                 assert sched.blocks.blocks_for(len(prompt) + a) > num_blocks
         elif kind == "step":
             step()
+        elif kind == "worker lost":
+            # Steps in flight vanish with the worker and its cache; everything is recomputed.
+            inflight.clear()
+            worker.last_sampled = {}
+            sched.restart()
+            assert not sched.running and sched.blocks.num_free == num_blocks
+            assert not sched.blocks.by_hash
         elif kind == "abort" and accepted:
             rid = accepted[a % len(accepted)]
             for out in sched.abort([rid]):
@@ -198,6 +206,7 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
         step()
     assert not sched.has_work(), "requests were left behind"
     event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"worker lost: {any(a[0] == 'worker lost' for a in actions)}")
     event(f"prefix hits: {sched.blocks.hit_tokens > 0}")
     assert sorted(ended) == sorted(accepted)
     assert sched.blocks.num_free == num_blocks
