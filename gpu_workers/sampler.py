@@ -30,7 +30,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] floats in (0, 1), fixed by each row's (seed, position)."""
-    row = _hash32(_hash32(seeds) ^ (positions * 0x9E3779B1 & _MASK))
+    # Both halves of the 64-bit seed count: seeds 5 and 5 + 2**32 must differ.
+    row = _hash32(_hash32(seeds) ^ _hash32(seeds >> 32) * 0x2F ^ (positions * 0x9E3779B1 & _MASK))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _hash32(row[:, None] + ids[None, :] * 0x3C6EF372)
     # 23 bits plus a half step: exactly representable in float32 and never 0 or 1.
@@ -66,7 +67,9 @@ class SamplingBatch(Struct, kw_only=True):
             return torch.tensor(values, dtype=dtype, device=device)
 
         batch = cls(
-            temperature=column([p.temperature for p in params]),
+            # Below 1e-5 dividing by the temperature overflows: that is greedy anyway.
+            temperature=column([p.temperature if p.temperature >= 1e-5 else 0.0
+                                for p in params]),
             top_p=column([p.top_p for p in params]),
             top_k=column([p.top_k for p in params], torch.int64),
             min_p=column([p.min_p for p in params]),
@@ -111,11 +114,12 @@ class SamplingBatch(Struct, kw_only=True):
 
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.output_counts is not None:
-        logits = logits - b.frequency[:, None] * b.output_counts
-        logits = logits - b.presence[:, None] * (b.output_counts > 0)
+        # Repetition on the raw logits first (its sign test must see them), as vLLM does.
         rep = b.repetition[:, None]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(b.seen, penalized, logits)
+        logits = logits - b.frequency[:, None] * b.output_counts
+        logits = logits - b.presence[:, None] * (b.output_counts > 0)
     if b.bias is not None:
         logits = logits + b.bias
     return logits
@@ -170,7 +174,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch
         probs = _filter(processed, b).softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
         race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))
-        tokens = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy)
+        # A row whose every token was masked has no distribution left: fall back to greedy.
+        usable = (b.temperature > 0) & torch.isfinite(race).all(dim=-1)
+        tokens = torch.where(usable, race.argmax(dim=-1), greedy)
     else:
         tokens = greedy
     return tokens, _logprobs(logits, tokens, b.logprobs)

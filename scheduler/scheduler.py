@@ -49,17 +49,17 @@ class Scheduler:
         """Queue a request; an error output instead if it could never fit the KV cache."""
         if req.sampling.max_tokens < 1 or not req.prompt_token_ids:
             return RequestOutput(req.request_id, [], "error",
-                                 "a request needs a prompt and max_tokens >= 1")
+                                 "a request needs a prompt and max_tokens >= 1", status=400)
         need = self.blocks.blocks_for(len(req.prompt_token_ids) + req.sampling.max_tokens)
         if need > self.blocks.num_blocks:
             return RequestOutput(
                 req.request_id, [], "error",
                 f"prompt + max_tokens needs {need} KV blocks but the cache holds "
                 f"{self.blocks.num_blocks}; shorten the prompt, lower max_tokens, or start surge "
-                f"with a larger --kv-cache-memory")
+                f"with a larger --kv-cache-memory", status=400)
         if req.request_id in self.requests:
             return RequestOutput(req.request_id, [], "error",
-                                 f"request id {req.request_id} is already in use")
+                                 f"request id {req.request_id} is already in use", status=400)
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
                        seed, req.arrival_time, req.priority)

@@ -42,6 +42,8 @@ class Frontend:
         self.max_model_len = max_model_len
         self.token_text = TokenText(tokenizer.hf)
         self.created = int(time.time())
+        self.draining = False  # SIGTERM: finish what is in flight, take nothing new
+        self.in_flight = 0
 
     # ---- request parsing ----
 
@@ -146,7 +148,7 @@ class Frontend:
             stops += self.tokenizer.eos_token_ids
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.tokenizer.vocab_size:
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.tokenizer.vocab_size:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model",
                                param="logit_bias")
             bias[int(key)] = value
@@ -192,7 +194,7 @@ class Frontend:
             for j in range(body.n):
                 index = i * body.n + j
                 seeded = params if body.seed is None else msgspec.structs.replace(
-                    params, seed=body.seed + j)
+                    params, seed=_int64(body.seed + j))
                 sub_id = rid if len(prompts) * body.n == 1 else f"{rid}-{index}"
                 streams.append(generate(self.engine, self.tokenizer.hf, sub_id, index, prompt,
                                         seeded, stop, body.priority))
@@ -267,6 +269,8 @@ class Frontend:
         return self._json({} if stats is None else msgspec.to_builtins(stats))
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ok"})
@@ -297,6 +301,9 @@ class Frontend:
             await response.write(_event(error_body(e.status, e.message)))
         except ConnectionResetError:
             return response  # the client left; aclosing() has aborted its requests
+        except Exception:  # the stream has begun: the error can only be told in the stream
+            log.exception("stream %s failed", rid)
+            await response.write(_event(error_body(500, "internal error; see the server log")))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -306,13 +313,37 @@ class Frontend:
         return web.Response(body=_json.encode(payload), content_type="application/json")
 
 
+def _int64(value: int) -> int:
+    """Wrap into a signed 64-bit integer (seed + j may step past the top)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
 def _event(payload: dict) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+def _work_middleware(frontend: Frontend) -> Any:
+    """Counts requests in flight (for the drain) and turns new work away while draining."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not request.path.startswith("/v1/") or request.path == "/v1/models":
+            return await handler(request)
+        if frontend.draining:
+            raise ApiError(503, "surge is shutting down; send this request to another server")
+        frontend.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            frontend.in_flight -= 1
+
+    return middleware
+
+
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, _work_middleware(frontend)],
+                          client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)

@@ -61,14 +61,21 @@ class EngineClient:
         sent.add_done_callback(_report_send_failure)
 
     def submit(self, request: EngineRequest) -> asyncio.Queue[RequestOutput]:
+        data = encode(request)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.streams[request.request_id] = stream
-        self._send(encode(request))
+        self._send(data)
         return stream
 
     def abort(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:
             self._send(encode(AbortRequest([request_id])))
+
+    def fail_all(self, reason: str) -> None:
+        """End every request this frontend is waiting on with an error, and abort it."""
+        for request_id, stream in list(self.streams.items()):
+            stream.put_nowait(RequestOutput(request_id, [], "error", reason))
+            self.abort(request_id)
 
     def close(self) -> None:
         self._reader.cancel()

@@ -39,13 +39,13 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
     uncounted = 0  # tokens whose text is still held back (a character or stop string unsure)
     held_ids: list[int] = []
     held_logprobs: list[TokenLogprobs] = []
+    generated = 0
     try:
         while not finished:
             out = await stream.get()
             finished = out.finish_reason is not None
             if out.finish_reason == "error":
-                raise ApiError(503 if "worker" in (out.error or "") else 400,
-                               out.error or "the engine failed this request")
+                raise ApiError(out.status, out.error or "the engine failed this request")
             if out.finish_reason == "abort":
                 raise ApiError(503, "the request was aborted by the server")
             reason = out.finish_reason
@@ -53,7 +53,9 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
             if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
                 shown = shown[:-1]  # the stop token itself is not part of the text
             text = detok.step(shown, final=finished)
-            if stops is not None:
+            generated += len(out.new_token_ids)
+            # Like stop tokens, stop strings only count once min_tokens are out.
+            if stops is not None and generated >= sampling.min_tokens:
                 text, hit = stops.feed(text, final=finished)
                 if hit:
                     if not finished:

@@ -43,11 +43,30 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
             status.put(("frontend", f"serving {frontend.model_name!r} on "
                                     f"http://{cfg.server.host}:{cfg.server.port}"))
             await stop_wait
+            await _drain(frontend, cfg.server.drain_timeout_s)
         else:
             ready_wait.cancel()
     finally:
         await runner.cleanup()
         engine.close()
+
+
+async def _drain(frontend: Frontend, timeout_s: float) -> None:
+    """Stop taking work (/health says so), let what is in flight finish, then end the rest
+    with an error they can read."""
+    frontend.draining = True
+    log.info("draining %d requests (up to %.0fs)", frontend.in_flight, timeout_s)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while frontend.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if frontend.in_flight:
+        log.warning("drain timeout: ending %d requests", frontend.in_flight)
+        frontend.engine.fail_all(f"surge shut down before this request finished (drain "
+                                 f"timeout {timeout_s:g}s); retry it")
+        for _ in range(40):  # let the handlers write their errors out
+            if not frontend.in_flight:
+                break
+            await asyncio.sleep(0.05)
 
 
 def run_frontend(cfg: SurgeConfig, channels: Channels, status: Any) -> None:

@@ -46,7 +46,7 @@ class _Common(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
-    priority: int = 0
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
 
 
 class CompletionRequest(_Common, kw_only=True):

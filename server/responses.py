@@ -31,9 +31,11 @@ def completion_logprobs(piece: Piece, token_text: TokenText, offset: int) -> dic
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in piece.logprobs],
-        "top_logprobs": [{token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs,
-                                                           strict=True)}
-                         for lp in piece.logprobs],
+        # As OpenAI: the top k and the sampled token, whether or not it is among them.
+        "top_logprobs": [{token_text(t): lp.logprob,
+                          **{token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs,
+                                                              strict=True)}}
+                         for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)],
         "text_offset": offsets,
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from server.responses import usage
 if TYPE_CHECKING:
     from server.app import Frontend
 
+log = logging.getLogger("surge.frontend")
 _KINDS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
 _HEARTBEAT_S = 20.0
 
@@ -57,6 +59,9 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         try:
             body = frontend.decode_body(raw, kind)
+            if getattr(body, "echo", False) or body.logprobs not in (None, False):
+                raise ApiError(400, "echo and logprobs are not available on the WebSocket; "
+                                    "use the HTTP endpoint", param="logprobs")
             prompts, max_tokens, logprobs = await frontend.prepare(body)
             pieces = frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
                                   logprobs)
@@ -78,9 +83,18 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
         except ApiError as e:
             await error(rid, e.status, e.message, e.param)
         except asyncio.CancelledError:
-            await send({"type": "done", "id": rid, "finish_reason": "cancelled", "usage": None})
-        finally:
-            jobs.pop(rid, None)
+            await send(cancelled(rid))
+        except Exception:
+            log.exception("websocket request %s failed", rid)
+            await error(rid, 500, "internal error; see the server log")
+
+    def cancelled(rid: str) -> dict:
+        return {"type": "done", "id": rid, "finish_reason": "cancelled", "usage": None}
+
+    def forget(rid: str, job: asyncio.Task) -> None:
+        jobs.pop(rid, None)
+        if job.cancelled():  # cancelled before it ever ran: its own handler never said so
+            asyncio.ensure_future(send(cancelled(rid)))
 
     try:
         async for msg in ws:
@@ -93,7 +107,7 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 await error(None, 400, f"message is not a valid JSON object: {e}")
                 continue
-            await _dispatch(m, jobs, serve, error)
+            await _dispatch(m, jobs, serve, error, forget)
     finally:
         for job in list(jobs.values()):  # a closed socket aborts every request on it
             job.cancel()
@@ -101,7 +115,8 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
     return ws
 
 
-async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, error: Any) -> None:
+async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, error: Any,
+                    forget: Any) -> None:
     if m.type == "cancel":
         job = jobs.get(m.id or "")
         if job is None:
@@ -121,4 +136,5 @@ async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, erro
     elif not m.body:
         await error(m.id, 400, "a request needs a body")
     else:
-        jobs[m.id] = asyncio.create_task(serve(m.id, _KINDS[m.endpoint], bytes(m.body)))
+        job = jobs[m.id] = asyncio.create_task(serve(m.id, _KINDS[m.endpoint], bytes(m.body)))
+        job.add_done_callback(lambda done, rid=m.id: forget(rid, done))

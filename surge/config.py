@@ -43,6 +43,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     body_timeout_s: Annotated[
         float, Meta(gt=0, description="a client that takes longer to send its body gets 408")
     ] = 30.0
+    drain_timeout_s: Annotated[
+        float, Meta(ge=0, description="on SIGTERM, how long requests in flight may take to "
+                    "finish before they end with an error")
+    ] = 30.0
     max_prompt_tokens: Annotated[
         int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
                   "window)")

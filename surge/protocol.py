@@ -64,6 +64,7 @@ class RequestOutput(Struct, array_like=True):
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    status: int = 503  # with "error": the HTTP status it means (400: the request's own fault)
 
 
 class EngineOutputs(Struct, tag=True):

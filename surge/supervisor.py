@@ -115,12 +115,16 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stop the frontend first (no new work), then the scheduler, then the workers."""
-        for proc in reversed(self.procs):
+        order = {"frontend": 0, "scheduler": 1}
+        for proc in sorted(self.procs, key=lambda p: order.get(p.name, 2)):
             if proc.is_alive():
                 proc.terminate()
-            proc.join(_STOP_TIMEOUT_S)
+            # The frontend first lets requests in flight finish (the drain).
+            patience = _STOP_TIMEOUT_S + (self.cfg.server.drain_timeout_s
+                                          if proc.name == "frontend" else 0)
+            proc.join(patience)
             if proc.is_alive():
-                log.warning("%s did not stop in %.0fs; killing it", proc.name, _STOP_TIMEOUT_S)
+                log.warning("%s did not stop in %.0fs; killing it", proc.name, patience)
                 proc.kill()
                 proc.join()
         self.status.close()

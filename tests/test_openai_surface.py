@@ -138,6 +138,18 @@ def test_filters_penalties_bias_and_min_tokens(client, tokenizer):
     assert short.choices[0].message.content.startswith("The capital of France is Paris.")
 
 
+def test_extreme_seed_and_min_tokens_before_stop_strings(client):
+    r = client.completions.create(model=MODEL, prompt=RAW[0], max_tokens=4, n=2,
+                                  seed=2**63 - 1)
+    assert len(r.choices) == 2
+    full = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0,
+                                     max_tokens=20).choices[0].text
+    early = full.split()[1]  # a word within the first few tokens
+    held = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=20,
+                                     stop=[early], extra_body={"min_tokens": 15})
+    assert held.usage.completion_tokens >= 15
+
+
 def test_echo_and_priority(client):
     r = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=5,
                                   echo=True, extra_body={"priority": -5})
@@ -232,6 +244,8 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
     ({"prompt": "hi", "seed": "x"}, "seed"),
     ({"prompt": "hi " * 2500}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias"),
+    ({"prompt": "hi", "priority": 10**23}, "priority"),
 ])
 def test_bad_parameters(server, body, param):
     code, payload = _post(server, "/v1/completions", body)
@@ -304,3 +318,36 @@ def test_healthy_and_correct_after_the_wall(client, server):
     r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
                                        max_tokens=30)
     assert r.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_websocket_instant_cancel_and_refused_fields(server):
+    async def main() -> list[dict]:
+        got = []
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(f"{server.url}/v1/stream") as ws:
+            body = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True}
+            await ws.send_json({"type": "request", "id": "x", "endpoint": "completions",
+                                "body": body})
+            await ws.send_json({"type": "cancel", "id": "x"})
+            await ws.send_json({"type": "request", "id": "e", "endpoint": "completions",
+                                "body": {"prompt": "hi", "echo": True}})
+            async for msg in ws:
+                m = json.loads(msg.data)
+                got.append(m)
+                if len([g for g in got if g["type"] in ("done", "error")]) == 2:
+                    break
+            # The id is free again: a new request with it runs to the end.
+            await ws.send_json({"type": "request", "id": "x", "endpoint": "completions",
+                                "body": {"prompt": "hi", "max_tokens": 2}})
+            async for msg in ws:
+                m = json.loads(msg.data)
+                got.append(m)
+                if m["type"] in ("done", "error"):
+                    break
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 60))
+    ends = [(m["id"], m["type"], m.get("finish_reason")) for m in got
+            if m["type"] in ("done", "error")]
+    assert ("x", "done", "cancelled") in ends and ("e", "error", None) in ends
+    assert ends[-1] == ("x", "done", "length")

@@ -97,3 +97,21 @@ def test_logprobs_are_the_models_own():
     top = ref[2].topk(3)
     assert logprobs[2].top_ids == top.indices.tolist()
     assert logprobs[2].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_degenerate_rows_fall_back_to_greedy():
+    logits = torch.randn(3, V)
+    logits[2] = float("-inf")
+    logits[2, 4] = 0.0  # the row's only finite token... then banned below
+    rows = [SamplingParams(max_tokens=1, temperature=1e-30),
+            SamplingParams(max_tokens=1, temperature=1.0, top_k=1),
+            SamplingParams(max_tokens=5, temperature=1.0, stop_token_ids=[4], min_tokens=1)]
+    tokens, _ = sample(logits, _batch(rows, ban=[False, False, True]))
+    assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
+    assert 0 <= int(tokens[2]) < V  # every token masked: no NaN, a valid id
+
+
+def test_both_halves_of_the_seed_count():
+    positions = torch.zeros(2, dtype=torch.int64)
+    u = uniform_noise(torch.tensor([5, 5 + 2**32]), positions, 100)
+    assert not torch.equal(u[0], u[1])

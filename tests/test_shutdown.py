@@ -159,3 +159,60 @@ def test_worker_dying_too_often_ends_every_request_with_503(tmp_path):
     assert server.proc.wait(30) == 1
     assert _gone(children)
     assert os.listdir(tmp_path) == []
+
+
+def _status(url: str) -> int:
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_sigterm_drains_requests_in_flight(tmp_path):
+    import threading
+
+    server = ServerProcess("--drain-timeout-s", "60",
+                           env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    answers: list = []
+    worker = threading.Thread(target=lambda: answers.extend(_long_requests(server, 4, 120)))
+    worker.start()
+    time.sleep(1.5)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert _status(f"{server.url}/health") == 503
+    code, _ = _post_completion(server)
+    assert code == 503
+    worker.join(120)
+    assert [status for status, _ in answers] == [200] * 4
+    assert server.proc.wait(60) == 0
+
+
+def test_drain_timeout_ends_the_rest_with_an_error(tmp_path):
+    import threading
+
+    server = ServerProcess("--drain-timeout-s", "1",
+                           env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    answers: list = []
+    worker = threading.Thread(target=lambda: answers.extend(_long_requests(server, 2, 3000)))
+    worker.start()
+    time.sleep(1.5)
+    server.proc.send_signal(signal.SIGTERM)
+    worker.join(60)
+    assert all(status == 503 and "drain timeout" in text for status, text in answers), answers
+    assert server.proc.wait(30) == 0
+
+
+def _post_completion(server: ServerProcess) -> tuple[int, str]:
+    import urllib.error
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
