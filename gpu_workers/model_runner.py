@@ -6,7 +6,13 @@ import torch
 
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import SamplingBatch, sample
-from surge.protocol import PREVIOUS_TOKEN, ScheduledSeq, StepPlan, TokenLogprobs
+from surge.protocol import (
+    PREVIOUS_TOKEN,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    TokenLogprobs,
+)
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -35,6 +41,19 @@ class ModelRunner:
                                     device=device)
         # What the last step sampled, for plans made before it finished (PREVIOUS_TOKEN).
         self.last_sampled: dict[int, int] = {}
+
+    def warm_up(self) -> None:
+        """A prefill and a decode step on throwaway blocks, so the first real request does not
+        pay for first-call allocations and kernel selection."""
+        n = min(2 * self.block_size, self.kv_cache.shape[2] * self.block_size - 1)
+        table = list(range(-(-(n + 1) // self.block_size)))
+        params = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9)
+        tokens = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
+        prefill = ScheduledSeq(0, tokens, 0, table, True, params, 0)
+        self.run(StepPlan(-2, [prefill]))
+        decode = ScheduledSeq(0, [PREVIOUS_TOKEN], n, table, True, params, 0)
+        self.run(StepPlan(-1, [decode]))
+        self.last_sampled = {}
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:

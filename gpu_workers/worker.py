@@ -101,6 +101,7 @@ def _load(cfg: SurgeConfig, rank: int) -> tuple[ModelRunner, WorkerReady]:
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
     runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+    runner.warm_up()
     description = (f"{files.path} on {device} in {str(dtype).removeprefix('torch.')}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")

@@ -198,7 +198,7 @@ class Frontend:
                 sub_id = rid if len(prompts) * body.n == 1 else f"{rid}-{index}"
                 streams.append(generate(self.engine, self.tokenizer.hf, sub_id, index, prompt,
                                         seeded, stop, body.priority))
-        return merge(streams)
+        return _logged(merge(streams), rid, sum(len(p) for p in prompts))
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
@@ -311,6 +311,34 @@ class Frontend:
     @staticmethod
     def _json(payload: dict) -> web.Response:
         return web.Response(body=_json.encode(payload), content_type="application/json")
+
+
+async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int
+                  ) -> AsyncIterator[Piece]:
+    """One log line per finished request: id, outcome, token counts, timings (no text)."""
+    started = time.monotonic()
+    first: float | None = None
+    generated = 0
+    reasons: list[str] = []
+    outcome = "cancelled"
+    try:
+        async with aclosing(pieces) as stream:
+            async for piece in stream:
+                first = first or time.monotonic()
+                generated += piece.num_tokens
+                if piece.finish_reason:
+                    reasons.append(piece.finish_reason)
+                yield piece
+        outcome = "ok"
+    except ApiError as e:
+        outcome = f"error {e.status}"
+        raise
+    finally:
+        log.info("request %s", outcome, extra={
+            "request_id": rid, "tenant": "default", "finish_reason": ",".join(reasons) or None,
+            "prompt_tokens": prompt_tokens, "completion_tokens": generated,
+            "ttft_ms": round((first - started) * 1000, 1) if first else None,
+            "duration_ms": round((time.monotonic() - started) * 1000, 1)})
 
 
 def _int64(value: int) -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 log = logging.getLogger("surge.frontend")
+access = logging.getLogger("surge.access")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error",
@@ -35,6 +37,18 @@ def error_response(status: int, message: str, param: str | None = None,
 
 @web.middleware
 async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure as an OpenAI error body; every request as one access-log line."""
+    started = time.monotonic()
+    response = await _answer(request, handler)
+    access.info("%s %s %d", request.method, request.path, response.status, extra={
+        "status": response.status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
+        "peer": request.remote})
+    return response
+
+
+async def _answer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:

@@ -20,6 +20,7 @@ from surge.config import SurgeConfig
 from surge.log import setup_logging
 from surge.protocol import WorkerFailed, encode
 from surge.runtime import Channels
+from surge.systemd_notify import notify, watchdog_interval
 
 log = logging.getLogger("surge.supervisor")
 _STOP_TIMEOUT_S = 10.0
@@ -77,7 +78,12 @@ class Supervisor:
         """Block until a stop signal or a child's death; the exit code for `surge serve`.
         A dead worker is replaced (the scheduler recomputes its requests) unless it died too
         often lately; any other death stops surge."""
+        interval = watchdog_interval()
+        pinged = 0.0
         while not self.stopping:
+            if interval and time.monotonic() - pinged >= interval:
+                notify("WATCHDOG=1")  # every child is alive (a dead one is handled below)
+                pinged = time.monotonic()
             if not wait([p.sentinel for p in self.procs], timeout=0.2):
                 continue
             dead = next(p for p in self.procs if p.exitcode is not None)
@@ -95,6 +101,7 @@ class Supervisor:
                 return 1
             self.restarts.append(now)
             log.warning("%s exited (code %s); starting a new one", dead.name, dead.exitcode)
+            notify(f"STATUS=replacing {dead.name} (exit code {dead.exitcode})")
             self._tell_scheduler(dead, fatal=False)
             rank = int(dead.name.split()[-1])
             self.procs.remove(dead)
@@ -148,14 +155,18 @@ def serve(cfg: SurgeConfig) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     started = time.monotonic()
     code = 1
+    url = f"http://{cfg.server.host}:{cfg.server.port}"
     try:
+        notify("STATUS=loading the model")
         sup.start()
         if sup.wait_ready():
-            print(f"surge ready on http://{cfg.server.host}:{cfg.server.port} "
-                  f"(started in {time.monotonic() - started:.1f}s)", file=sys.stderr, flush=True)
+            print(f"surge ready on {url} (started in {time.monotonic() - started:.1f}s)",
+                  file=sys.stderr, flush=True)
+            notify("READY=1", f"STATUS=serving on {url}")
             code = sup.watch()
         elif sup.stopping:
             code = 0
     finally:
+        notify("STOPPING=1", "STATUS=draining and stopping")
         sup.stop()
     return code
