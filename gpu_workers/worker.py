@@ -15,6 +15,7 @@ import zmq
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import ModelRunner, kv_block_bytes
 from shm.ring import RingBuffer, RingClosed
+from surge import metrics
 from surge.config import ModelConfig, SurgeConfig, parse_memory
 from surge.model_files import resolve_model
 from surge.process import child_setup
@@ -61,6 +62,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
         runner, ready = _load(cfg, rank)
+        device = runner.device
         ring.skip_to_end()
         results.send(encode(ready))
         status.put((f"worker {rank}", ready.description))
@@ -72,6 +74,9 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
                 break
             started = time.perf_counter()
             tokens, logprobs = runner.run(msg)
+            metrics.step_time.labels(str(rank)).observe(time.perf_counter() - started)
+            if device.type == "cuda":
+                metrics.device_memory.labels(str(rank)).set(torch.cuda.memory_allocated(device))
             if rank == 0:
                 results.send(encode(StepResult(
                     msg.step_id, tokens, logprobs, compute_s=time.perf_counter() - started,

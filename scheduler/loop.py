@@ -12,6 +12,7 @@ import zmq
 
 from scheduler.scheduler import Scheduler
 from shm.ring import RingBuffer, RingClosed
+from surge import metrics
 from surge.config import SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
@@ -66,6 +67,8 @@ class SchedulerLoop:
         self.worker_wait_s = 0.0
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
+        self._priorities_seen: set[int] = set()
+        self._exported = {"queried": 0, "hits": 0, "preemptions": 0}
         self._stalled = False  # work is queued but nothing could be planned
         self._continuous = False  # the engine had work when the last result came back
 
@@ -159,7 +162,10 @@ class SchedulerLoop:
             self.ring.put(encode(plan), should_stop=self._worker_failed)
             inflight.append(plan)
             self.steps += 1
-            self.scheduled_tokens += sum(len(s.token_ids) for s in plan.seqs)
+            tokens = sum(len(s.token_ids) for s in plan.seqs)
+            self.scheduled_tokens += tokens
+            metrics.batch_size.observe(len(plan.seqs))
+            metrics.step_tokens.observe(tokens)
         self._stalled = plan is None and not inflight and sched.has_work()
         if inflight and (plan is None or len(inflight) == depth):
             result = self._worker_message()
@@ -199,6 +205,7 @@ class SchedulerLoop:
         sched = self.scheduler
         assert sched is not None
         blocks = sched.blocks
+        self._export_metrics(sched)
         self.outputs.send(encode(EngineStats(
             time=now, running=len(sched.running), waiting=len(sched.waiting),
             kv_blocks_used=blocks.num_blocks - blocks.num_free,
@@ -207,6 +214,29 @@ class SchedulerLoop:
             preemptions=sched.num_preemptions, steps=self.steps,
             scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
             worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)))
+
+    def _export_metrics(self, sched: Scheduler) -> None:
+        for wait_s in sched.queue_waits:
+            metrics.queue_wait.observe(wait_s)
+        sched.queue_waits.clear()
+        blocks = sched.blocks
+        metrics.running.set(len(sched.running))
+        by_priority: dict[int, int] = {}
+        for seq in sched.waiting:
+            by_priority[seq.priority] = by_priority.get(seq.priority, 0) + 1
+        for priority in self._priorities_seen - set(by_priority):
+            metrics.waiting.labels(str(priority), "default").set(0)
+        for priority, count in by_priority.items():
+            metrics.waiting.labels(str(priority), "default").set(count)
+        self._priorities_seen |= set(by_priority)
+        metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_free)
+        metrics.kv_blocks_total.set(blocks.num_blocks)
+        exported = self._exported
+        metrics.prefix_queries.inc(blocks.queried_tokens - exported["queried"])
+        metrics.prefix_hits.inc(blocks.hit_tokens - exported["hits"])
+        metrics.preemptions.inc(sched.num_preemptions - exported["preemptions"])
+        self._exported = {"queried": blocks.queried_tokens, "hits": blocks.hit_tokens,
+                          "preemptions": sched.num_preemptions}
 
     def fail_all(self, reason: str) -> None:
         """Give every request a terminal error, those still queued in the socket too: nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Iterable
 from itertools import islice
@@ -41,6 +42,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_step_id = 0
         self.num_preemptions = 0
+        self.queue_waits: list[float] = []  # arrival to first step, drained by the loop
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -155,6 +157,9 @@ class Scheduler:
             if not self.blocks.can_admit(hits, cached + n):
                 break
             self.waiting.remove(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.time()
+                self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
             self.blocks.admit(seq, hits)
             self.blocks.allocate(seq, cached + n)
             seq.status = Status.RUNNING

@@ -31,6 +31,7 @@ class Sequence:
         self.seed = seed
         self.arrival_time = arrival_time
         self.priority = priority  # lower is more urgent
+        self.first_scheduled: float | None = None
         self.status = Status.WAITING
 
     @property

@@ -21,6 +21,7 @@ from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.websocket import stream_socket
+from surge import metrics
 from surge.config import ServerConfig
 from surge.protocol import SamplingParams
 
@@ -268,6 +269,10 @@ class Frontend:
         stats = self.engine.stats
         return self._json({} if stats is None else msgspec.to_builtins(stats))
 
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body, content_type = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
@@ -318,18 +323,28 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int
     """One log line per finished request: id, outcome, token counts, timings (no text)."""
     started = time.monotonic()
     first: float | None = None
+    last = started
     generated = 0
     reasons: list[str] = []
     outcome = "cancelled"
     try:
         async with aclosing(pieces) as stream:
             async for piece in stream:
-                first = first or time.monotonic()
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    metrics.ttft.observe(now - started)
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
                 generated += piece.num_tokens
                 if piece.finish_reason:
                     reasons.append(piece.finish_reason)
                 yield piece
         outcome = "ok"
+        metrics.e2e.observe(time.monotonic() - started)
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.generated_tokens.inc(generated)
     except ApiError as e:
         outcome = f"error {e.status}"
         raise
@@ -376,6 +391,7 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
     app.router.add_get("/stats", frontend.stats)
+    app.router.add_get("/metrics", frontend.prometheus)
     app.router.add_post("/v1/completions", frontend.completions)
     app.router.add_post("/v1/chat/completions", frontend.chat_completions)
     app.router.add_get("/v1/stream", lambda request: stream_socket(frontend, request))

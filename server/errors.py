@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from surge import metrics
+
 log = logging.getLogger("surge.frontend")
 access = logging.getLogger("surge.access")
 
@@ -42,6 +44,8 @@ async def error_middleware(
     """Every failure as an OpenAI error body; every request as one access-log line."""
     started = time.monotonic()
     response = await _answer(request, handler)
+    route = request.match_info.route.resource
+    metrics.requests.labels(route.canonical if route else "unknown", str(response.status)).inc()
     access.info("%s %s %d", request.method, request.path, response.status, extra={
         "status": response.status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
         "peer": request.remote})

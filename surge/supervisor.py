@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import sys
@@ -32,6 +33,10 @@ class Supervisor:
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
         self.channels = Channels.create()
+        # Every child inherits this and writes its metrics there (see surge/metrics.py).
+        metrics_dir = os.path.join(self.channels.runtime_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []
         self.stopping = False
@@ -104,6 +109,9 @@ class Supervisor:
             notify(f"STATUS=replacing {dead.name} (exit code {dead.exitcode})")
             self._tell_scheduler(dead, fatal=False)
             rank = int(dead.name.split()[-1])
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(dead.pid)  # its live gauges no longer count
             self.procs.remove(dead)
             self._start(dead.name, run_worker, rank, self.status)
         return 0
