@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from scheduler import admin
 from scheduler.scheduler import Scheduler
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
@@ -17,6 +18,7 @@ from surge.config import SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
     AbortRequest,
+    AdminRequest,
     EngineOutputs,
     EngineReady,
     EngineRequest,
@@ -55,6 +57,11 @@ class SchedulerLoop:
         self.outputs.connect(channels.outputs)
         self.results = self.zmq.socket(zmq.PULL)
         self.results.bind(channels.results)
+        self.admin = self.zmq.socket(zmq.REP)
+        self.admin.bind(channels.admin)
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests, zmq.POLLIN)
+        self.poller.register(self.admin, zmq.POLLIN)
         self.ring = RingBuffer(channels.plan_ring, reader=None)
         self.num_workers = num_workers
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
@@ -120,7 +127,10 @@ class SchedulerLoop:
     def _take_requests(self, block_ms: int) -> None:
         """Handle every message from the frontend that has arrived (waiting up to block_ms)."""
         assert self.scheduler is not None
-        if not self.requests.poll(block_ms):
+        ready = dict(self.poller.poll(block_ms))
+        if self.admin in ready:
+            self._answer_admin()
+        if self.requests not in ready:
             return
         errors: list[RequestOutput] = []
         while True:
@@ -140,9 +150,9 @@ class SchedulerLoop:
     def run(self) -> None:
         """Keep up to two steps in flight (one computing, the next queued behind it), so the
         worker never waits for this loop; one at a time without async_scheduling."""
-        depth = 2 if self.cfg.scheduler.async_scheduling else 1
         inflight: deque[StepPlan] = deque()
         while True:
+            depth = 2 if self.cfg.scheduler.async_scheduling else 1  # live: admin set
             try:
                 self._step(inflight, depth)
             except (WorkerLost, RingClosed) as e:
@@ -182,6 +192,18 @@ class SchedulerLoop:
                 self.outputs.send(encode(EngineOutputs(outputs)))
         self._send_stats()
 
+    def _answer_admin(self) -> None:
+        """Between two steps, so a change applies atomically to the next step on."""
+        assert self.scheduler is not None
+        request = msgspec.msgpack.decode(self.admin.recv(), type=AdminRequest)
+        reply, new = admin.handle(request, self.cfg.scheduler, self._stats_dict())
+        if new is not self.cfg.scheduler:
+            log.info("live parameters changed: %s", request.values)
+            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new)
+            self.scheduler.cfg = new
+            self.scheduler.blocks.prefix_cache = new.prefix_cache
+        self.admin.send(encode(reply))
+
     def _gather_batch(self) -> None:
         """With batch_wait_ms, an idle engine waits a moment after the first arrival so that
         requests arriving together start in one step."""
@@ -202,18 +224,27 @@ class SchedulerLoop:
         if now - self._stats_sent < _STATS_INTERVAL_S:
             return
         self._stats_sent = now
+        assert self.scheduler is not None
+        self._export_metrics(self.scheduler)
+        self.outputs.send(encode(self._stats()))
+
+    def _stats(self) -> EngineStats:
         sched = self.scheduler
         assert sched is not None
         blocks = sched.blocks
-        self._export_metrics(sched)
-        self.outputs.send(encode(EngineStats(
-            time=now, running=len(sched.running), waiting=len(sched.waiting),
+        return EngineStats(
+            time=time.time(), running=len(sched.running), waiting=len(sched.waiting),
             kv_blocks_used=blocks.num_blocks - blocks.num_free,
             kv_blocks_total=blocks.num_blocks,
             prefix_queried_tokens=blocks.queried_tokens, prefix_hit_tokens=blocks.hit_tokens,
             preemptions=sched.num_preemptions, steps=self.steps,
             scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
-            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)))
+            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)
+
+    def _stats_dict(self) -> dict[str, Any]:
+        stats = msgspec.to_builtins(self._stats())
+        stats.pop("type", None)
+        return stats
 
     def _export_metrics(self, sched: Scheduler) -> None:
         for wait_s in sched.queue_waits:

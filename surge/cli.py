@@ -16,6 +16,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Every option can also be set in the TOML file given by --config "
                     "and by a SURGE_<OPTION> environment variable; flags win.")
     add_arguments(serve)
+    admin = commands.add_parser(
+        "admin", help="inspect and tune a running server (local only)",
+        description="get: live parameters; set K=V ...: change them at the next step (refused "
+                    "whole if any is invalid); stats: a summary; reload: re-read the config "
+                    "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM)")
+    admin.add_argument("action", choices=["get", "set", "stats", "reload", "drain"])
+    admin.add_argument("values", nargs="*", metavar="KEY=VALUE")
+    admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
+    admin.add_argument("--runtime-dir", default=None, help="the server's runtime dir")
+    admin.add_argument("--persist", action="store_true",
+                       help="with set: also write the values into the server's config file")
     return parser
 
 
@@ -29,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from surge.supervisor import serve
 
-        return serve(cfg)
+        return serve(cfg, vars(args))
+    if args.command == "admin":
+        from surge.admin import run_admin
+
+        return run_admin(args)
     return 2
 
 

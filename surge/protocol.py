@@ -154,6 +154,20 @@ class WorkerFailed(Struct, tag=True):
     fatal: bool = False
 
 
+# ---- admin (`surge admin`, the supervisor) -> scheduler (ZeroMQ request/reply) ----
+
+
+class AdminRequest(Struct, tag=True):
+    command: str  # "get" | "set" | "stats"
+    values: dict[str, str] = {}
+
+
+class AdminReply(Struct, tag=True):
+    ok: bool
+    message: str
+    values: dict[str, object] = {}
+
+
 FrontendMessage = EngineRequest | AbortRequest
 SchedulerMessage = EngineOutputs | EngineReady | EngineStats
 WorkerMessage = WorkerReady | StepResult | WorkerFailed

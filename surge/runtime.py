@@ -24,6 +24,7 @@ class Channels(Struct, frozen=True):
     outputs: str  # scheduler -> frontend (ZeroMQ)
     results: str  # workers -> scheduler (ZeroMQ)
     plan_ring: str  # scheduler -> workers (shared-memory ring name)
+    admin: str  # surge admin -> scheduler (ZeroMQ request/reply; the dir is 0700)
 
     @classmethod
     def create(cls) -> Channels:
@@ -38,10 +39,38 @@ class Channels(Struct, frozen=True):
             outputs=f"ipc://{runtime_dir}/outputs",
             results=f"ipc://{runtime_dir}/results",
             plan_ring=f"{tag}-plan",
+            admin=f"ipc://{runtime_dir}/admin",
         )
+
+    def describe(self, port: int, config: str | None) -> None:
+        with open(os.path.join(self.runtime_dir, "port"), "w") as f:
+            f.write(str(port))
+        if config:
+            with open(os.path.join(self.runtime_dir, "config"), "w") as f:
+                f.write(os.path.abspath(config))
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def find_server(port: int | None) -> str:
+    """The runtime dir of the running surge on `port` (or the only one running)."""
+    found = []
+    for runtime_dir in glob.glob(os.path.join(_base(), f"{_PREFIX}*")):
+        try:
+            with open(os.path.join(runtime_dir, "pid")) as f:
+                pid = int(f.read())
+            with open(os.path.join(runtime_dir, "port")) as f:
+                server_port = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid) and (port is None or port == server_port):
+            found.append(runtime_dir)
+    if len(found) != 1:
+        where = f"on port {port}" if port else "at all"
+        raise LookupError(f"{len(found)} running surge servers {where} under {_base()}; "
+                          f"name one with --port or --runtime-dir")
+    return found[0]
 
 
 def _alive(pid: int) -> bool:

@@ -13,9 +13,11 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import zmq
 
 from gpu_workers.worker import run_worker
+from scheduler.admin import LIVE
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
 from surge.log import setup_logging
@@ -29,14 +31,19 @@ _RESTART_WINDOW_S = 60.0
 
 
 class Supervisor:
-    def __init__(self, cfg: SurgeConfig) -> None:
+    def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.flags = flags or {}  # to rebuild the config on reload
+        self.reload_requested = False
         self.ctx = mp.get_context("spawn")
         self.channels = Channels.create()
         # Every child inherits this and writes its metrics there (see surge/metrics.py).
         metrics_dir = os.path.join(self.channels.runtime_dir, "metrics")
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        # What `surge admin` needs to find this server and its config file.
+        self.channels.describe(port=cfg.server.port,
+                               config=self.flags.get("config") or os.environ.get("SURGE_CONFIG"))
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []
         self.stopping = False
@@ -89,6 +96,9 @@ class Supervisor:
             if interval and time.monotonic() - pinged >= interval:
                 notify("WATCHDOG=1")  # every child is alive (a dead one is handled below)
                 pinged = time.monotonic()
+            if self.reload_requested:
+                self.reload_requested = False
+                self.reload()
             if not wait([p.sentinel for p in self.procs], timeout=0.2):
                 continue
             dead = next(p for p in self.procs if p.exitcode is not None)
@@ -115,6 +125,26 @@ class Supervisor:
             self.procs.remove(dead)
             self._start(dead.name, run_worker, rank, self.status)
         return 0
+
+    def reload(self) -> None:
+        """SIGHUP: read the config again and hand the live parameters to the scheduler."""
+        from surge.admin import ask
+        from surge.config import ConfigError, load_config
+
+        try:
+            new = load_config(self.flags)
+        except ConfigError as e:
+            log.error("reload refused, nothing changed: %s", e)
+            return
+        reply = ask(self.channels.admin, "set", {
+            k: str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in msgspec.to_builtins(new.scheduler).items()
+            if k in LIVE})
+        if reply.ok:
+            log.info("reloaded: %s", reply.values)
+            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler)
+        else:
+            log.error("reload refused, nothing changed: %s", reply.message)
 
     def _tell_scheduler(self, dead: BaseProcess, fatal: bool) -> None:
         """A worker killed outright says nothing itself: say it for it."""
@@ -151,16 +181,20 @@ class Supervisor:
         self.channels.remove()
 
 
-def serve(cfg: SurgeConfig) -> int:
+def serve(cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> int:
     setup_logging(cfg.server.log_level, cfg.server.log_json, "supervisor")
-    sup = Supervisor(cfg)
+    sup = Supervisor(cfg, flags)
 
     def request_stop(signum: int, frame: object) -> None:
         log.info("received %s; shutting down", signal.Signals(signum).name)
         sup.stopping = True
 
+    def request_reload(signum: int, frame: object) -> None:
+        sup.reload_requested = True
+
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGHUP, request_reload)
     started = time.monotonic()
     code = 1
     url = f"http://{cfg.server.host}:{cfg.server.port}"
