@@ -99,9 +99,12 @@ class Supervisor:
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload()
-            if not wait([p.sentinel for p in self.procs], timeout=0.2):
+            ready = wait([p.sentinel for p in self.procs], timeout=0.2)
+            if not ready:
                 continue
-            dead = next(p for p in self.procs if p.exitcode is not None)
+            dead = next(p for p in self.procs if p.sentinel in ready)
+            # Its sentinel closes a moment before the kernel can report its exit code.
+            dead.join(_STOP_TIMEOUT_S)
             if not dead.name.startswith("worker"):
                 log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
                           dead.exitcode)
