@@ -23,10 +23,14 @@ log = logging.getLogger("surge.frontend")
 
 async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     files = resolve_model(cfg.model.model)
     tokenizer = Tokenizer(files)
     engine = EngineClient(channels)
+    # From the supervisor: the scheduler is gone, so no request in flight can finish.
+    loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,
+                            "the scheduler stopped unexpectedly; retry the request")
     frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
                         max_model_len(files), cfg.server)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.

@@ -108,6 +108,10 @@ class Supervisor:
             if not dead.name.startswith("worker"):
                 log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
                           dead.exitcode)
+                frontend = next((p for p in self.procs if p.name == "frontend"), None)
+                if dead.name == "scheduler" and frontend is not None and frontend.is_alive():
+                    # Nothing in flight can finish now: the frontend answers it at once.
+                    os.kill(frontend.pid, signal.SIGUSR1)
                 return 1
             now = time.monotonic()
             self.restarts = [t for t in self.restarts if now - t < _RESTART_WINDOW_S]

@@ -241,3 +241,19 @@ def _post_completion(server: ServerProcess) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def test_scheduler_killed_answers_every_request_at_once(tmp_path):
+    import threading
+
+    server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    children = _descendants(server.proc.pid)
+    (scheduler,) = [p for p in children if _title(p) == "surge: scheduler"]
+    threading.Timer(2.0, os.kill, (scheduler, signal.SIGKILL)).start()
+    started = time.monotonic()
+    answers = _long_requests(server, 4, 3000)
+    took = time.monotonic() - started
+    assert all(status == 503 and "scheduler" in text for status, text in answers), answers
+    assert took < 10, took  # not the 30 s drain: nothing could have finished
+    assert server.proc.wait(30) == 1
+    assert _gone(children)
