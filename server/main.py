@@ -74,5 +74,5 @@ async def _drain(frontend: Frontend, timeout_s: float) -> None:
 
 
 def run_frontend(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
-    child_setup("frontend", cfg, raise_on_sigterm=False)
+    child_setup("frontend", cfg, raise_on_sigterm=False, own_group=False)
     uvloop.run(_serve(cfg, channels, status))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from types import FrameType
@@ -17,11 +18,16 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def child_setup(name: str, cfg: SurgeConfig, *, raise_on_sigterm: bool = True) -> None:
+def child_setup(name: str, cfg: SurgeConfig, *, raise_on_sigterm: bool = True,
+                own_group: bool = True) -> None:
     """Call at the top of each child's entry point. SIGINT is the supervisor's to handle."""
     import setproctitle
 
     setproctitle.setproctitle(f"surge: {name}")
+    if own_group:
+        # An operator (or a test) can signal this process's group alone; a terminal's Ctrl-C
+        # reaches only the supervisor, which stops everyone in order.
+        os.setpgid(0, 0)
     if sys.platform == "linux":
         # If the supervisor is killed outright, the children still get SIGTERM: no orphans.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

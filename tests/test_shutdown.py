@@ -71,8 +71,10 @@ def test_signal_stops_everything_cleanly(tmp_path, sig):
     shm_before = set(os.listdir("/dev/shm"))
     server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
     children = _descendants(server.proc.pid)
-    titles = {_title(pid) for pid in children}
-    assert {"surge: frontend", "surge: scheduler", "surge: worker 0"} <= titles
+    titles = {_title(pid): pid for pid in children}
+    assert {"surge: frontend", "surge: scheduler", "surge: worker 0"} <= set(titles)
+    for name in ("surge: scheduler", "surge: worker 0"):  # each in its own process group
+        assert os.getpgid(titles[name]) == titles[name]
     assert os.listdir(tmp_path), "the runtime dir should exist while serving"
     assert _complete(server)
     assert server.stop(sig) == 0, server.output()
