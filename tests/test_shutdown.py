@@ -198,36 +198,38 @@ def _status(url: str) -> int:
         return e.code
 
 
-def test_sigterm_drains_requests_in_flight(tmp_path):
+def _sigterm_while_busy(tmp_path, drain_s: str, n: int, max_tokens: int,
+                       while_draining=None) -> tuple[ServerProcess, list]:
+    """Start n long requests, SIGTERM surge 1.5 s later; (server, their answers)."""
     import threading
 
-    server = ServerProcess("--drain-timeout-s", "60",
+    server = ServerProcess("--drain-timeout-s", drain_s,
                            env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
     answers: list = []
-    worker = threading.Thread(target=lambda: answers.extend(_long_requests(server, 4, 120)))
-    worker.start()
+    clients = threading.Thread(target=lambda: answers.extend(
+        _long_requests(server, n, max_tokens)))
+    clients.start()
     time.sleep(1.5)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert _status(f"{server.url}/health") == 503
-    code, _ = _post_completion(server)
-    assert code == 503
-    worker.join(120)
+    if while_draining:
+        time.sleep(0.5)
+        while_draining(server)
+    clients.join(120)
+    return server, answers
+
+
+def test_sigterm_drains_requests_in_flight(tmp_path):
+    def turned_away(server: ServerProcess) -> None:
+        assert _status(f"{server.url}/health") == 503
+        assert _post_completion(server)[0] == 503
+
+    server, answers = _sigterm_while_busy(tmp_path, "60", 4, 120, turned_away)
     assert [status for status, _ in answers] == [200] * 4
     assert server.proc.wait(60) == 0
 
 
 def test_drain_timeout_ends_the_rest_with_an_error(tmp_path):
-    import threading
-
-    server = ServerProcess("--drain-timeout-s", "1",
-                           env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
-    answers: list = []
-    worker = threading.Thread(target=lambda: answers.extend(_long_requests(server, 2, 3000)))
-    worker.start()
-    time.sleep(1.5)
-    server.proc.send_signal(signal.SIGTERM)
-    worker.join(60)
+    server, answers = _sigterm_while_busy(tmp_path, "1", 2, 3000)
     assert all(status == 503 and "drain timeout" in text for status, text in answers), answers
     assert server.proc.wait(30) == 0
 
