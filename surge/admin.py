@@ -7,7 +7,9 @@ import json
 import os
 import signal
 import sys
+import time
 import tomllib
+import urllib.request
 
 import msgspec
 import zmq
@@ -71,6 +73,71 @@ def _toml(data: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
+    """Each surge histogram's cumulative buckets [(upper bound, count)] from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and set(sample.labels) == {"le"}:
+                out.setdefault(family.name, []).append((float(sample.labels["le"]),
+                                                        sample.value))
+    return out
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style: linear within the bucket that holds the q-th observation."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    rank, low, below = q * total, 0.0, 0.0
+    for high, count in buckets:
+        if count >= rank:
+            if high == float("inf"):
+                return low
+            return low + (high - low) * (rank - below) / max(count - below, 1e-9)
+        low, below = high, count
+    return low
+
+
+def _summary(runtime_dir: str) -> str:
+    """One screen: load, throughput, KV cache, prefix hits, latency percentiles."""
+    address = f"ipc://{runtime_dir}/admin"
+    first = ask(address, "stats")
+    time.sleep(1.0)
+    second = ask(address, "stats")
+    if not (first.ok and second.ok):
+        return second.message
+    a, b = first.values, second.values
+    dt = max(b["time"] - a["time"], 1e-6)
+    with open(os.path.join(runtime_dir, "url")) as f:
+        url = f.read()
+    hist = _histograms(url)
+
+    def pcts(name: str) -> str:
+        p50, p95 = (quantile(hist.get(name, []), q) for q in (0.5, 0.95))
+        return "no data yet" if p50 is None else f"p50 {p50:.3f} s   p95 {p95:.3f} s"
+
+    used, total = b["kv_blocks_used"], b["kv_blocks_total"]
+    hits = b["prefix_hit_tokens"] / b["prefix_queried_tokens"] if b["prefix_queried_tokens"] \
+        else 0.0
+    return "\n".join([
+        f"surge at {url}: {b['running']} running, {b['waiting']} waiting",
+        f"throughput   {(b['generated_tokens'] - a['generated_tokens']) / dt:.1f} tokens/s "
+        f"generated, {(b['steps'] - a['steps']) / dt:.1f} steps/s (last second)",
+        f"KV cache     {used} / {total} blocks ({used / max(total, 1):.0%})   prefix hit rate "
+        f"{hits:.1%}   preemptions {b['preemptions']}",
+        f"TTFT         {pcts('surge_time_to_first_token_seconds')}   (since start)",
+        f"inter-token  {pcts('surge_inter_token_latency_seconds')}",
+        f"request      {pcts('surge_request_latency_seconds')}",
+        f"queue wait   {pcts('surge_queue_wait_seconds')}",
+    ])
+
+
 def run_admin(args: argparse.Namespace) -> int:
     try:
         runtime_dir = args.runtime_dir or find_server(args.port)
@@ -83,6 +150,9 @@ def run_admin(args: argparse.Namespace) -> int:
             pid = int(f.read())
         os.kill(pid, signal.SIGHUP if args.action == "reload" else signal.SIGTERM)
         print(f"{args.action}: signalled surge (pid {pid})")
+        return 0
+    if args.action == "stats":
+        print(_summary(runtime_dir))
         return 0
     if args.action == "set" and not values:
         print("surge admin: set needs KEY=VALUE pairs", file=sys.stderr)

@@ -42,9 +42,11 @@ class Channels(Struct, frozen=True):
             admin=f"ipc://{runtime_dir}/admin",
         )
 
-    def describe(self, port: int, config: str | None) -> None:
+    def describe(self, host: str, port: int, config: str | None) -> None:
         with open(os.path.join(self.runtime_dir, "port"), "w") as f:
             f.write(str(port))
+        with open(os.path.join(self.runtime_dir, "url"), "w") as f:
+            f.write(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
         if config:
             with open(os.path.join(self.runtime_dir, "config"), "w") as f:
                 f.write(os.path.abspath(config))

@@ -42,7 +42,7 @@ class Supervisor:
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         # What `surge admin` needs to find this server and its config file.
-        self.channels.describe(port=cfg.server.port,
+        self.channels.describe(host=cfg.server.host, port=cfg.server.port,
                                config=self.flags.get("config") or os.environ.get("SURGE_CONFIG"))
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -14,8 +15,6 @@ import urllib.request
 import pytest
 
 from tests.server import ServerProcess
-
-pytestmark = pytest.mark.slow
 
 
 def _admin(env: dict, port: int, *args: str) -> tuple[int, dict | str]:
@@ -51,6 +50,7 @@ def _two_requests_at_once(url: str) -> list[tuple[float, float]]:
     return sorted(spans)
 
 
+@pytest.mark.slow
 def test_admin_round_trip(tmp_path):
     import os
 
@@ -86,10 +86,23 @@ def test_admin_round_trip(tmp_path):
             assert time.monotonic() < deadline, "reload did not apply"
             time.sleep(0.2)
         assert _admin(env, port, "get")[1]["values"]["batch_wait_ms"] == 3
-        code, stats = _admin(env, port, "stats")
-        assert code == 0 and stats["values"]["steps"] > 0 and "running" in stats["values"]
+        code, screen = _admin(env, port, "stats")
+        assert code == 0, screen
+        lines = screen.splitlines()
+        assert lines[0].startswith(f"surge at http://127.0.0.1:{port}: 0 running, 0 waiting")
+        assert lines[2].startswith("KV cache     0 / 364 blocks")
+        assert re.match(r"TTFT +p50 \d+\.\d+ s +p95 \d+\.\d+ s", lines[3]), screen
         assert _admin(env, port, "drain")[0] == 0
         assert server.proc.wait(60) == 0
     finally:
         if server.proc.poll() is None:
             server.stop()
+
+
+def test_quantiles_from_cumulative_buckets():
+    from surge.admin import quantile
+
+    buckets = [(0.1, 2.0), (0.5, 8.0), (1.0, 10.0), (float("inf"), 10.0)]
+    assert quantile(buckets, 0.5) == pytest.approx(0.1 + 0.4 * 3 / 6)
+    assert quantile(buckets, 0.95) == pytest.approx(0.5 + 0.5 * 1.5 / 2)
+    assert quantile([], 0.5) is None
