@@ -165,6 +165,7 @@ class Frontend:
 
     async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
         """A request body's prompts (token ids), max_tokens and logprobs count."""
+        self._check_model(body.model)  # before any tokenizing is spent on it
         if isinstance(body, CompletionRequest):
             if body.echo and body.logprobs is not None:
                 raise ApiError(400, "echo together with logprobs is not supported (prompt "
@@ -187,7 +188,6 @@ class Frontend:
     def run(self, body: Body, rid: str, prompts: list[list[int]], max_tokens: int | None,
             logprobs: int | None) -> AsyncIterator[Piece]:
         """Start every choice (n per prompt, seeds seed, seed+1, ...); their pieces merged."""
-        self._check_model(body.model)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         streams = []
         for i, prompt in enumerate(prompts):
