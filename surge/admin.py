@@ -14,6 +14,7 @@ import urllib.request
 import msgspec
 import zmq
 
+from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
 from surge.runtime import find_server
 
@@ -138,7 +139,65 @@ def _summary(runtime_dir: str) -> str:
     ])
 
 
+def _keys_file(args: argparse.Namespace) -> str:
+    """--keys-file, else the one the running server was started with."""
+    if args.keys_file:
+        return args.keys_file
+    runtime_dir = args.runtime_dir or find_server(args.port)
+    try:
+        with open(os.path.join(runtime_dir, "api_keys_file")) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise LookupError("the server has no API keys file: start it with --api-keys-file FILE "
+                          "(or api_keys_file in [server]), or name one here with --keys-file "
+                          "FILE") from None
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    """`surge admin keys add TENANT [--key KEY] | remove ID | list`."""
+    words = args.values
+    arity = {"add": 2, "remove": 2, "list": 1}
+    if not words or arity.get(words[0]) != len(words) or (args.key and words[0] != "add"):
+        print("surge admin: usage: keys add TENANT [--key KEY] | keys remove ID | keys list",
+              file=sys.stderr)
+        return 2
+    try:
+        path = _keys_file(args)
+    except LookupError as e:
+        print(f"surge admin: {e}", file=sys.stderr)
+        return 2
+    try:
+        store = KeyStore(path)
+        if words[0] == "add":
+            # "-": from stdin, to keep the key out of the shell history and the process list.
+            imported = sys.stdin.readline().strip() if args.key == "-" else args.key
+            key_id, key = store.add(words[1], imported)
+            print(f"added key {key_id} for tenant {words[1]} in {store.path}")
+            if imported is None:
+                print(key)
+                print("Keep it now: it cannot be shown again (the file holds only its hash).")
+        elif words[0] == "remove":
+            if not store.remove(words[1]):
+                print(f"surge admin: no key with id {words[1]!r} in {store.path}",
+                      file=sys.stderr)
+                return 1
+            print(f"removed key {words[1]}")
+        else:
+            rows = [(e["id"], e["tenant"], e["created"]) for e in store.entries()]
+            width = max(len(r[1]) for r in [("", "TENANT"), *rows])
+            for key_id, tenant, created in [("ID", "TENANT", "CREATED"), *rows]:
+                print(f"{key_id:<8}  {tenant:<{width}}  {created}")
+            if not rows:
+                print(f"(no keys in {store.path})")
+    except (ValueError, OSError) as e:
+        print(f"surge admin: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_admin(args: argparse.Namespace) -> int:
+    if args.action == "keys":
+        return run_keys(args)
     try:
         runtime_dir = args.runtime_dir or find_server(args.port)
         values = _pairs(args.values)

@@ -20,13 +20,21 @@ def _parser() -> argparse.ArgumentParser:
         "admin", help="inspect and tune a running server (local only)",
         description="get: live parameters; set K=V ...: change them at the next step (refused "
                     "whole if any is invalid); stats: a summary; reload: re-read the config "
-                    "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM)")
-    admin.add_argument("action", choices=["get", "set", "stats", "reload", "drain"])
-    admin.add_argument("values", nargs="*", metavar="KEY=VALUE")
+                    "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM); "
+                    "keys add TENANT [--key KEY] | keys remove ID | keys list: the API keys "
+                    "(applied by the server without a restart)")
+    admin.add_argument("action", choices=["get", "set", "stats", "reload", "drain", "keys"])
+    admin.add_argument("values", nargs="*", metavar="ARG",
+                       help="set: KEY=VALUE pairs; keys: add TENANT, remove ID or list")
     admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
     admin.add_argument("--runtime-dir", default=None, help="the server's runtime dir")
     admin.add_argument("--persist", action="store_true",
                        help="with set: also write the values into the server's config file")
+    admin.add_argument("--keys-file", default=None,
+                       help="with keys: this file instead of the running server's")
+    admin.add_argument("--key", default=None,
+                       help="with keys add: store this key (16+ characters; -: read it from stdin) "
+                            "instead of a new one")
     return parser
 
 

@@ -42,7 +42,8 @@ class Channels(Struct, frozen=True):
             admin=f"ipc://{runtime_dir}/admin",
         )
 
-    def describe(self, host: str, port: int, config: str | None) -> None:
+    def describe(self, host: str, port: int, config: str | None,
+                 api_keys_file: str | None = None) -> None:
         with open(os.path.join(self.runtime_dir, "port"), "w") as f:
             f.write(str(port))
         with open(os.path.join(self.runtime_dir, "url"), "w") as f:
@@ -50,6 +51,9 @@ class Channels(Struct, frozen=True):
         if config:
             with open(os.path.join(self.runtime_dir, "config"), "w") as f:
                 f.write(os.path.abspath(config))
+        if api_keys_file:
+            with open(os.path.join(self.runtime_dir, "api_keys_file"), "w") as f:
+                f.write(os.path.abspath(api_keys_file))
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -43,7 +43,8 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         # What `surge admin` needs to find this server and its config file.
         self.channels.describe(host=cfg.server.host, port=cfg.server.port,
-                               config=self.flags.get("config") or os.environ.get("SURGE_CONFIG"))
+                               config=self.flags.get("config") or os.environ.get("SURGE_CONFIG"),
+                               api_keys_file=cfg.server.api_keys_file)
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []
         self.stopping = False
