@@ -36,6 +36,7 @@ def run_echo_scheduler(channels: Channels, num_tokens: int) -> None:
         if not isinstance(msg, EngineRequest):
             continue
         rid = msg.request_id
-        outs = [RequestOutput(rid, [t]) for t in tokens[:-1]]
+        # The acknowledgement the real scheduler sends on admission, then the tokens.
+        outs = [RequestOutput(rid, []), *(RequestOutput(rid, [t]) for t in tokens[:-1])]
         outs.append(RequestOutput(rid, [tokens[-1]], "length"))
         outputs.send(encode(EngineOutputs(outs)))

@@ -74,8 +74,8 @@ class SchedulerLoop:
         self.worker_wait_s = 0.0
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
-        self._priorities_seen: set[int] = set()
-        self._exported = {"queried": 0, "hits": 0, "preemptions": 0}
+        self._queues_seen: set[tuple[str, str]] = set()  # (priority, tenant) labels exported
+        self._exported: dict[str, int] = {}  # counter totals already exported
         self._stalled = False  # work is queued but nothing could be planned
         self._continuous = False  # the engine had work when the last result came back
 
@@ -118,7 +118,7 @@ class SchedulerLoop:
             assert isinstance(msg, WorkerReady), msg
             readies.append(msg)
         num_blocks = min(r.num_blocks for r in readies)
-        self.scheduler = Scheduler(self.cfg.scheduler, num_blocks)
+        self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
                             description=readies[0].description)
         self.outputs.send(encode(ready))
@@ -132,7 +132,8 @@ class SchedulerLoop:
             self._answer_admin()
         if self.requests not in ready:
             return
-        errors: list[RequestOutput] = []
+        # An acknowledgement or a refusal for each new request, at once.
+        replies: list[RequestOutput] = []
         while True:
             try:
                 raw = self.requests.recv(zmq.NOBLOCK)
@@ -140,12 +141,11 @@ class SchedulerLoop:
                 break
             msg = self.frontend_decoder.decode(raw)
             if isinstance(msg, EngineRequest):
-                if (error := self.scheduler.add(msg)) is not None:
-                    errors.append(error)
+                replies.append(self.scheduler.add(msg) or RequestOutput(msg.request_id, []))
             elif isinstance(msg, AbortRequest):
-                errors.extend(self.scheduler.abort(msg.request_ids))
-        if errors:
-            self.outputs.send(encode(EngineOutputs(errors)))
+                replies.extend(self.scheduler.abort(msg.request_ids))
+        if replies:
+            self.outputs.send(encode(EngineOutputs(replies)))
 
     def run(self) -> None:
         """Keep up to two steps in flight (one computing, the next queued behind it), so the
@@ -167,6 +167,8 @@ class SchedulerLoop:
         self._take_requests(0 if busy else (5 if self._stalled else _IDLE_POLL_MS))
         if not inflight:
             self._gather_batch()
+        if expired := sched.expire():
+            self.outputs.send(encode(EngineOutputs(expired)))
         plan = sched.schedule() if len(inflight) < depth else None
         if plan is not None:
             self.ring.put(encode(plan), should_stop=self._worker_failed)
@@ -196,12 +198,12 @@ class SchedulerLoop:
         """Between two steps, so a change applies atomically to the next step on."""
         assert self.scheduler is not None
         request = msgspec.msgpack.decode(self.admin.recv(), type=AdminRequest)
-        reply, new = admin.handle(request, self.cfg.scheduler, self._stats_dict())
-        if new is not self.cfg.scheduler:
+        reply, new, tenants = admin.handle(request, self.cfg.scheduler, self.cfg.tenants,
+                                           self._stats_dict())
+        if new is not self.cfg.scheduler or tenants is not self.cfg.tenants:
             log.info("live parameters changed: %s", request.values)
-            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new)
-            self.scheduler.cfg = new
-            self.scheduler.blocks.prefix_cache = new.prefix_cache
+            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new, tenants=tenants)
+            self.scheduler.configure(new, tenants)
         self.admin.send(encode(reply))
 
     def _gather_batch(self) -> None:
@@ -212,11 +214,11 @@ class SchedulerLoop:
         wait_s = self.cfg.scheduler.batch_wait_ms / 1000
         if not wait_s or sched.running or not sched.waiting:
             return
-        deadline = sched.waiting[0].arrival_time + wait_s
+        deadline = min(s.arrival_time for s in sched.waiting) + wait_s
         budget = self.cfg.scheduler.max_num_batched_tokens
         while (remaining := deadline - time.time()) > 0 and len(sched.waiting) < \
                 self.cfg.scheduler.max_num_seqs and \
-                sum(s.num_tokens for s in sched.waiting) < budget:
+                sched.waiting.num_tokens < budget:
             self._take_requests(max(1, int(remaining * 1000)))
 
     def _send_stats(self) -> None:
@@ -252,22 +254,48 @@ class SchedulerLoop:
         sched.queue_waits.clear()
         blocks = sched.blocks
         metrics.running.set(len(sched.running))
-        by_priority: dict[int, int] = {}
+        metrics.queued_tokens.set(sched.waiting.num_tokens)
+        queued: dict[tuple[str, str], int] = dict.fromkeys(self._queues_seen, 0)
         for seq in sched.waiting:
-            by_priority[seq.priority] = by_priority.get(seq.priority, 0) + 1
-        for priority in self._priorities_seen - set(by_priority):
-            metrics.waiting.labels(str(priority), "default").set(0)
-        for priority, count in by_priority.items():
-            metrics.waiting.labels(str(priority), "default").set(count)
-        self._priorities_seen |= set(by_priority)
+            key = (str(seq.priority), seq.tenant.name)
+            queued[key] = queued.get(key, 0) + 1
+        for (priority, tenant), count in queued.items():
+            metrics.waiting.labels(priority, tenant).set(count)
+        self._queues_seen |= set(queued)
         metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_free)
         metrics.kv_blocks_total.set(blocks.num_blocks)
         exported = self._exported
-        metrics.prefix_queries.inc(blocks.queried_tokens - exported["queried"])
-        metrics.prefix_hits.inc(blocks.hit_tokens - exported["hits"])
-        metrics.preemptions.inc(sched.num_preemptions - exported["preemptions"])
-        self._exported = {"queried": blocks.queried_tokens, "hits": blocks.hit_tokens,
-                          "preemptions": sched.num_preemptions}
+        totals = {"queried": blocks.queried_tokens, "hits": blocks.hit_tokens,
+                  "preemptions": sched.num_preemptions}
+        metrics.prefix_queries.inc(totals["queried"] - exported.get("queried", 0))
+        metrics.prefix_hits.inc(totals["hits"] - exported.get("hits", 0))
+        metrics.preemptions.inc(totals["preemptions"] - exported.get("preemptions", 0))
+        for (tenant, limit), count in sched.admission.rejected.items():
+            totals[f"rejected {tenant} {limit}"] = count
+            metrics.rejected.labels(tenant, limit).inc(
+                count - exported.get(f"rejected {tenant} {limit}", 0))
+        for name, tenant in sched.admission.tenants.items():
+            totals[f"served {name}"] = tenant.served_tokens
+            metrics.tenant_served.labels(name).inc(
+                tenant.served_tokens - exported.get(f"served {name}", 0))
+            metrics.tenant_running.labels(name).set(tenant.num_running)
+        self._exported = totals
+        self._export_limits()
+
+    def _export_limits(self) -> None:
+        cfg = self.cfg
+        for name in admin.LIVE:
+            value = getattr(cfg.scheduler, name)
+            if not isinstance(value, str):
+                metrics.live_parameter.labels(name).set(float(value))
+        for name in ("fcfs", "priority", "sjf"):
+            metrics.policy.labels(name).set(float(name == cfg.scheduler.policy))
+        assert self.scheduler is not None
+        tenants = {**dict.fromkeys(self.scheduler.admission.tenants), **cfg.tenants}
+        for name in tenants:
+            limits = self.scheduler.admission.tenant(name, time.time()).cfg
+            for field, value in msgspec.to_builtins(limits).items():
+                metrics.tenant_limit.labels(name, field).set(float(value))
 
     def fail_all(self, reason: str) -> None:
         """Give every request a terminal error, those still queued in the socket too: nothing

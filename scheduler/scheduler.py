@@ -8,16 +8,18 @@ later step after every earlier step has finished with it.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from itertools import islice
 
+from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
+from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
-from surge.config import SchedulerConfig
+from surge.config import SchedulerConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
     EngineRequest,
@@ -32,13 +34,18 @@ _BUCKET_WINDOW = 64  # how far down the queue length bucketing looks for similar
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, num_blocks: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, num_blocks: int,
+                 tenants: dict[str, TenantConfig] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
-        self.waiting: deque[Sequence] = deque()
+        self.admission = Admission(cfg, tenants or {}, clock())
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.seqs: dict[int, Sequence] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq_id)
         self._next_seq_id = 0
         self._next_step_id = 0
         self.num_preemptions = 0
@@ -47,8 +54,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig]) -> None:
+        """Live parameters, applied between two steps."""
+        self.cfg = cfg
+        self.blocks.prefix_cache = cfg.prefix_cache
+        self.admission.configure(cfg, tenants, self.clock())
+
     def add(self, req: EngineRequest) -> RequestOutput | None:
-        """Queue a request; an error output instead if it could never fit the KV cache."""
+        """Queue a request; an error output instead if it is refused (it could never fit the
+        KV cache, or a limit says no)."""
         if req.sampling.max_tokens < 1 or not req.prompt_token_ids:
             return RequestOutput(req.request_id, [], "error",
                                  "a request needs a prompt and max_tokens >= 1", status=400)
@@ -62,13 +76,28 @@ class Scheduler:
         if req.request_id in self.requests:
             return RequestOutput(req.request_id, [], "error",
                                  f"request id {req.request_id} is already in use", status=400)
+        now = self.clock()
+        tenant = self.admission.tenant(req.tenant, now)
+        if (refusal := self.admission.check(req, tenant, self.waiting, now)) is not None:
+            return refusal
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
+        timeout = req.timeout_s or tenant.cfg.timeout_s
+        deadline = req.arrival_time + timeout if timeout else None
+        priority = tenant.cfg.priority if req.priority is None else req.priority
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
-                       seed, req.arrival_time, req.priority)
+                       seed, req.arrival_time, tenant, priority, deadline)
         self._next_seq_id += 1
         self.requests[req.request_id] = seq
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        if not tenant.num_waiting + tenant.num_running:
+            # Back from idle: no credit for the time away, or it would starve the others.
+            active = [t.vtime for t in self.admission.tenants.values()
+                      if t.num_waiting + t.num_running]
+            if active:
+                tenant.vtime = max(tenant.vtime, min(active))
+        self.waiting.add(seq)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, seq.seq_id))
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -80,35 +109,64 @@ class Scheduler:
                 outputs.append(RequestOutput(rid, [], "abort"))
         return outputs
 
+    def expire(self) -> list[RequestOutput]:
+        """End the queued requests whose deadline to start has passed."""
+        now = self.clock()
+        outputs = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq_id = heapq.heappop(self._deadlines)
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.first_scheduled is not None:
+                continue
+            self._finish(seq)
+            self.admission.rejected[(seq.tenant.name, "timeout")] += 1
+            outputs.append(RequestOutput(
+                seq.request_id, [], "error",
+                f"the request waited {now - seq.arrival_time:.1f}s in the queue without "
+                f"starting, past its timeout; the server is overloaded: retry later or give a "
+                f"longer timeout", status=503, retry_after=1.0))
+        return outputs
+
+    def _start(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        seq.tenant.num_running += 1
+        self.admission.drained.add(self.clock())
+
+    def _stop(self, seq: Sequence, status: Status) -> None:
+        """Out of the batch (finished, or back to the queue); its blocks are freed."""
+        self.running.remove(seq)
+        seq.tenant.num_running -= 1
+        self.blocks.free(seq)
+        seq.status = status
+
     def _finish(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is Status.WAITING:
+            self._stop(seq, Status.FINISHED)
+        else:
             self.waiting.remove(seq)
+            self.blocks.free(seq)
         seq.status = Status.FINISHED
-        self.blocks.free(seq)
+        seq.tenant.finished.add(self.clock())
         del self.requests[seq.request_id]
         del self.seqs[seq.seq_id]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and queue it first in line; it recomputes from its tokens so far
-        (mostly from the prefix cache, if its blocks survive)."""
-        self.running.remove(seq)
-        self.blocks.free(seq)
+        """Free seq's blocks and queue it again; it recomputes from its tokens so far (mostly
+        from the prefix cache, if its blocks survive). Its arrival keeps its place in line."""
+        self._stop(seq, Status.WAITING)
         seq.num_computed_tokens = 0
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq)
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
 
     def restart(self) -> None:
         """The worker and its KV cache are gone: every sequence starts over from the tokens it
         has (the ones in flight are sampled again, identically, from their seed and position)."""
-        for seq in reversed(self.running):
-            self.blocks.free(seq)
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
-        self.running.clear()
+        for seq in list(self.running):
+            self._stop(seq, Status.WAITING)
+            self.waiting.add(seq)
         for seq in self.waiting:
             seq.num_computed_tokens = 0
             seq.num_pending = 0
@@ -116,7 +174,35 @@ class Scheduler:
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """The least urgent sequence, the latest arrival among equals."""
-        return max(reversed(candidates), key=lambda s: (s.priority, s.arrival_time))
+        now = self.clock()
+        return max(reversed(candidates), key=lambda s: (urgency(s, self.cfg, now)[0],
+                                                        s.arrival_time))
+
+    def _preempt_for_urgent(self) -> None:
+        """Waiting requests of a more urgent class than some running ones take their places
+        when the batch or the KV cache has no room for them."""
+        now = self.clock()
+        seats = self.cfg.max_num_seqs - len(self.running)
+        free = self.blocks.num_free
+        for seq in islice(self.waiting.order(self.cfg, now), self.cfg.max_num_seqs):
+            if seq.num_pending:
+                continue
+            hits = self.blocks.lookup(seq.token_ids)
+            cached = len(hits) * self.cfg.block_size
+            need = self.blocks.blocks_for(
+                cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)) - len(hits)
+            urgent = urgency(seq, self.cfg, now)[0]
+            while seats < 1 or free < need:
+                # Aged like the waiting ones, so two requests never preempt each other in turn.
+                lax = [s for s in self.running if urgency(s, self.cfg, now)[0] > urgent]
+                if not lax:
+                    return  # the rest of the queue is no more urgent than this one
+                victim = self._victim(lax)
+                free += len(victim.block_table)  # at most: some may be shared
+                seats += 1
+                self._preempt(victim)
+            seats -= 1
+            free -= need
 
     def schedule(self) -> StepPlan | None:
         """Pack the next step within the token budget: decodes first, then the chunks of
@@ -125,6 +211,8 @@ class Scheduler:
         # Planned on the spot, so that blocks a prompt fills are named before the next waiting
         # request looks them up: n choices of one prompt share it within the same step.
         chosen: list[ScheduledSeq] = []
+        if self.cfg.policy == "priority" and self.cfg.priority_preemption and self.waiting:
+            self._preempt_for_urgent()
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0:
@@ -150,20 +238,18 @@ class Scheduler:
             if budget == 0 or len(self.running) == self.cfg.max_num_seqs:
                 break
             if seq.num_pending:
-                break  # preempted with a token still in flight: resume once it is known
+                continue  # preempted with a token still in flight: resume once it is known
             hits = self.blocks.lookup(seq.token_ids)
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.can_admit(hits, cached + n):
                 break
-            self.waiting.remove(seq)
             if seq.first_scheduled is None:
-                seq.first_scheduled = time.time()
+                seq.first_scheduled = self.clock()
                 self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
+            self._start(seq)
             self.blocks.admit(seq, hits)
             self.blocks.allocate(seq, cached + n)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
             chosen.append(self._scheduled(seq, n))
             budget -= n
         if not chosen:
@@ -172,22 +258,25 @@ class Scheduler:
         self._next_step_id += 1
         return plan
 
-    def _admission_order(self) -> Iterable[Sequence]:
-        """Waiting sequences in the order to try them: first come, first served; with length
-        bucketing, the oldest first and then those of a length within 2x of it."""
-        room = self.cfg.max_num_seqs - len(self.running)
-        if not self.cfg.length_bucketing or not self.waiting:
-            return list(islice(self.waiting, room))
-        head = self.waiting[0]
-        similar = [s for s in islice(self.waiting, 1, _BUCKET_WINDOW)
+    def _admission_order(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order to try them (see WaitingQueue.order); with length
+        bucketing, the first and then those of a length within 2x of it."""
+        if len(self.running) >= self.cfg.max_num_seqs or not self.waiting:
+            return iter(())
+        order = self.waiting.order(self.cfg, self.clock())
+        if not self.cfg.length_bucketing:
+            return order
+        head = next(order)
+        similar = [s for s in islice(order, _BUCKET_WINDOW)
                    if 0.5 <= s.num_tokens / head.num_tokens <= 2.0]
-        return [head, *similar[: room - 1]]
+        return iter([head, *similar])
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         tokens = seq.token_ids[start : start + n]
         tokens += [PREVIOUS_TOKEN] * (n - len(tokens))
         seq.num_computed_tokens += n
+        seq.tenant.serve(n)
         sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
         # The index, among the outputs, of the token this step samples.
         output_index = seq.num_output_tokens + seq.num_pending
@@ -207,6 +296,7 @@ class Scheduler:
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         outputs = []
+        now = self.clock()
         for item in plan.seqs:
             if not item.sample:
                 continue
@@ -216,6 +306,7 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             seq.token_ids.append(token)
             seq.num_pending -= 1
+            seq.tenant.tokens.take(1, now)
             reason = None
             if token in seq.sampling.stop_token_ids:
                 reason = "stop"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from scheduler.tenants import Tenant
 from surge.protocol import SamplingParams
 
 
@@ -15,8 +16,8 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams, seed: int, arrival_time: float,
-                 priority: int = 0) -> None:
+                 sampling: SamplingParams, seed: int, arrival_time: float, tenant: Tenant,
+                 priority: int = 0, deadline: float | None = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -30,7 +31,9 @@ class Sequence:
         self.sampling = sampling
         self.seed = seed
         self.arrival_time = arrival_time
+        self.tenant = tenant
         self.priority = priority  # lower is more urgent
+        self.deadline = deadline  # when it must have started by, else it ends with an error
         self.first_scheduled: float | None = None
         self.status = Status.WAITING
 
@@ -41,6 +44,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_output(self) -> int:
+        return self.sampling.max_tokens - self.num_output_tokens
 
     @property
     def wants_more(self) -> bool:

@@ -14,16 +14,18 @@ import msgspec
 from aiohttp import web
 from jinja2 import TemplateError
 
+from server.auth import auth_middleware
 from server.engine_client import EngineClient
 from server.errors import ApiError, error_body, error_middleware
-from server.generate import Piece, generate, merge
+from server.generate import Piece, generate, merge, submit
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.websocket import stream_socket
 from surge import metrics
 from surge.config import ServerConfig
-from surge.protocol import SamplingParams
+from surge.keys import KeyStore
+from surge.protocol import EngineRequest, SamplingParams
 
 log = logging.getLogger("surge.frontend")
 T = TypeVar("T")
@@ -185,28 +187,41 @@ class Frontend:
         body = self.decode_body(await self.read_body(request), ChatCompletionRequest)
         return await self._respond(request, body, "chat", *await self.prepare(body))
 
-    def run(self, body: Body, rid: str, prompts: list[list[int]], max_tokens: int | None,
-            logprobs: int | None) -> AsyncIterator[Piece]:
-        """Start every choice (n per prompt, seeds seed, seed+1, ...); their pieces merged."""
+    async def run(self, body: Body, rid: str, prompts: list[list[int]],
+                  max_tokens: int | None, logprobs: int | None, tenant: str
+                  ) -> AsyncIterator[Piece]:
+        """Submit every choice (n per prompt, seeds seed, seed+1, ...) and wait until the
+        scheduler has taken them all (or raise its refusal); their pieces merged."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        streams = []
+        requests: list[tuple[int, EngineRequest]] = []
         for i, prompt in enumerate(prompts):
             params = self._sampling(body, len(prompt), max_tokens, logprobs)
             for j in range(body.n):
                 index = i * body.n + j
                 seeded = params if body.seed is None else msgspec.structs.replace(
                     params, seed=_int64(body.seed + j))
-                sub_id = rid if len(prompts) * body.n == 1 else f"{rid}-{index}"
-                streams.append(generate(self.engine, self.tokenizer.hf, sub_id, index, prompt,
-                                        seeded, stop, body.priority))
-        return _logged(merge(streams), rid, sum(len(p) for p in prompts))
+                requests.append((index, EngineRequest(
+                    request_id=rid if len(prompts) * body.n == 1 else f"{rid}-{index}",
+                    prompt_token_ids=prompt, sampling=seeded, arrival_time=time.time(),
+                    tenant=tenant, priority=body.priority, timeout_s=body.timeout)))
+        taken = await asyncio.gather(*(submit(self.engine, r) for _, r in requests),
+                                     return_exceptions=True)
+        if refused := [e for e in taken if isinstance(e, BaseException)]:
+            for _, r in requests:
+                self.engine.abort(r.request_id)
+            raise refused[0]
+        streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
+                            r.prompt_token_ids, r.sampling, stop)
+                   for (index, r), stream in zip(requests, taken, strict=True)
+                   if not isinstance(stream, BaseException)]
+        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant)
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
                        logprobs: int | None) -> web.StreamResponse:
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces = self.run(body, rid, prompts, max_tokens, logprobs)
+        pieces = await self.run(body, rid, prompts, max_tokens, logprobs, request["tenant"])
         n = len(prompts) * body.n
         echo = [""] * n
         if not chat and body.echo:
@@ -318,7 +333,7 @@ class Frontend:
         return web.Response(body=_json.encode(payload), content_type="application/json")
 
 
-async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int
+async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str
                   ) -> AsyncIterator[Piece]:
     """One log line per finished request: id, outcome, token counts, timings (no text)."""
     started = time.monotonic()
@@ -350,7 +365,7 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int
         raise
     finally:
         log.info("request %s", outcome, extra={
-            "request_id": rid, "tenant": "default", "finish_reason": ",".join(reasons) or None,
+            "request_id": rid, "tenant": tenant, "finish_reason": ",".join(reasons) or None,
             "prompt_tokens": prompt_tokens, "completion_tokens": generated,
             "ttft_ms": round((first - started) * 1000, 1) if first else None,
             "duration_ms": round((time.monotonic() - started) * 1000, 1)})
@@ -385,7 +400,9 @@ def _work_middleware(frontend: Frontend) -> Any:
 
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
-    app = web.Application(middlewares=[error_middleware, _work_middleware(frontend)],
+    keys = KeyStore(frontend.cfg.api_keys_file) if frontend.cfg.api_keys_file else None
+    app = web.Application(middlewares=[error_middleware, auth_middleware(keys),
+                                       _work_middleware(frontend)],
                           client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     app.router.add_get("/health", frontend.health)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,9 +22,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -48,7 +50,7 @@ async def error_middleware(
     metrics.requests.labels(route.canonical if route else "unknown", str(response.status)).inc()
     access.info("%s %s %d", request.method, request.path, response.status, extra={
         "status": response.status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
-        "peer": request.remote})
+        "peer": request.remote, "tenant": request.get("tenant")})
     return response
 
 
@@ -58,7 +60,10 @@ async def _answer(
     try:
         return await handler(request)
     except ApiError as e:
-        return error_response(e.status, e.message, e.param, e.code)
+        response = error_response(e.status, e.message, e.param, e.code)
+        if e.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise

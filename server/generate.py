@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -13,7 +12,7 @@ from server.detokenizer import Detokenizer
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.stop import StopMatcher
-from surge.protocol import EngineRequest, SamplingParams, TokenLogprobs
+from surge.protocol import EngineRequest, RequestOutput, SamplingParams, TokenLogprobs
 
 
 class Piece(Struct):
@@ -25,14 +24,34 @@ class Piece(Struct):
     logprobs: list[TokenLogprobs] = []
 
 
-async def generate(engine: EngineClient, tokenizer: object, request_id: str, index: int,
-                   prompt_ids: list[int], sampling: SamplingParams, stop: list[str],
-                   priority: int = 0) -> AsyncIterator[Piece]:
-    """Text pieces of one completion; the request is aborted if the consumer stops early or
-    a stop string is found."""
-    stream = engine.submit(EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                         sampling=sampling, arrival_time=time.time(),
-                                         priority=priority))
+def refusal(out: RequestOutput) -> ApiError:
+    """The error a request's terminal output stands for."""
+    if out.finish_reason == "abort":
+        return ApiError(503, "the request was aborted by the server")
+    return ApiError(out.status, out.error or "the engine failed this request",
+                    retry_after=out.retry_after)
+
+
+async def submit(engine: EngineClient, request: EngineRequest
+                 ) -> asyncio.Queue[RequestOutput]:
+    """Send a request and wait until the scheduler takes it; a refusal raises its ApiError
+    before anything has been sent to the client."""
+    stream = engine.submit(request)
+    try:
+        first = await stream.get()
+    except BaseException:  # cancelled: the client left while the request was on its way
+        engine.abort(request.request_id)
+        raise
+    if first.finish_reason is not None:
+        raise refusal(first)
+    return stream
+
+
+async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
+                   tokenizer: object, request_id: str, index: int, prompt_ids: list[int],
+                   sampling: SamplingParams, stop: list[str]) -> AsyncIterator[Piece]:
+    """Text pieces of one completion, from a submitted request; the request is aborted if the
+    consumer stops early or a stop string is found."""
     detok = Detokenizer(tokenizer, prompt_ids)
     stops = StopMatcher(stop) if stop else None
     finished = False
@@ -44,10 +63,8 @@ async def generate(engine: EngineClient, tokenizer: object, request_id: str, ind
         while not finished:
             out = await stream.get()
             finished = out.finish_reason is not None
-            if out.finish_reason == "error":
-                raise ApiError(out.status, out.error or "the engine failed this request")
-            if out.finish_reason == "abort":
-                raise ApiError(503, "the request was aborted by the server")
+            if out.finish_reason in ("error", "abort"):
+                raise refusal(out)
             reason = out.finish_reason
             shown = out.new_token_ids
             if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:

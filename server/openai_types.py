@@ -46,7 +46,10 @@ class _Common(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
-    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    # Lower is served first; None: the tenant's default priority.
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    # Seconds the request may wait in the queue before it starts; None: the tenant's default.
+    timeout: Annotated[float, Meta(gt=0)] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

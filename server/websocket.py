@@ -51,10 +51,10 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
                 with contextlib.suppress(ConnectionResetError):  # the client is gone
                     await ws.send_str(msgspec.json.encode(payload).decode())
 
-    async def error(rid: str | None, status: int, message: str, param: str | None = None
-                    ) -> None:
-        await send({"type": "error", "id": rid, "error": error_body(status, message,
-                                                                     param)["error"]})
+    async def error(rid: str | None, status: int, message: str, param: str | None = None,
+                    retry_after: float | None = None) -> None:
+        await send({"type": "error", "id": rid, "retry_after": retry_after,
+                    "error": error_body(status, message, param)["error"]})
 
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         try:
@@ -63,8 +63,8 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
                 raise ApiError(400, "echo and logprobs are not available on the WebSocket; "
                                     "use the HTTP endpoint", param="logprobs")
             prompts, max_tokens, logprobs = await frontend.prepare(body)
-            pieces = frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
-                                  logprobs)
+            pieces = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
+                                        logprobs, request["tenant"])
             reasons: dict[int, str | None] = {}
             generated = 0
             async with aclosing(pieces) as stream:
@@ -81,7 +81,7 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
                 done["finish_reasons"] = [reasons[i] for i in sorted(reasons)]
             await send(done)
         except ApiError as e:
-            await error(rid, e.status, e.message, e.param)
+            await error(rid, e.status, e.message, e.param, e.retry_after)
         except asyncio.CancelledError:
             await send(cancelled(rid))
         except Exception:

@@ -51,6 +51,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
                   "window)")
     ] = 0
+    api_keys_file: Annotated[
+        str | None, Meta(description="JSON file of API keys (salted hashes) and their tenants, "
+                         "managed with `surge admin keys`; unset: no keys, one tenant")
+    ] = None
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -81,6 +85,45 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Meta(description="KV cache budget: bytes with a unit (e.g. 96MiB, 2GiB) "
              "or a fraction of free device memory (e.g. 0.8)"),
     ] = "1GiB"
+    policy: Annotated[
+        Literal["fcfs", "priority", "sjf"],
+        Meta(description="order of the waiting queue: fcfs (arrival), priority (lower value "
+             "first, then arrival), sjf (shortest predicted job first); tenants share by "
+             "weight under each"),
+    ] = "priority"
+    priority_preemption: Annotated[
+        bool, Meta(description="with policy=priority, a waiting request may preempt running "
+                   "ones of a less urgent class when the batch or the KV cache is full")
+    ] = True
+    priority_aging_s: Annotated[
+        float, Meta(ge=0, description="each this many seconds in the queue makes a request one "
+                    "class more urgent (with sjf: halves its predicted length), so nothing "
+                    "starves; 0: no aging")
+    ] = 10.0
+    max_queued_requests: Annotated[
+        int, Meta(ge=0, description="requests allowed to wait in the queue; more get 429 with "
+                  "Retry-After (0: unbounded)")
+    ] = 1024
+    max_queued_tokens: Annotated[
+        int, Meta(ge=0, description="prompt tokens allowed to wait in the queue; more get 429 "
+                  "with Retry-After (0: unbounded)")
+    ] = 1_048_576
+
+
+class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One [tenants.NAME] table; a tenant without one gets these defaults. 0 means no limit."""
+
+    weight: Annotated[float, Meta(gt=0, description="share of service when backlogged")] = 1.0
+    priority: Annotated[int, Meta(description="priority of requests that give none")] = 0
+    max_concurrent: Annotated[int, Meta(ge=0, description="requests queued or running")] = 0
+    max_queued: Annotated[int, Meta(ge=0, description="requests waiting in the queue")] = 0
+    requests_per_min: Annotated[float, Meta(ge=0, description="token bucket of requests")] = 0
+    tokens_per_min: Annotated[
+        float, Meta(ge=0, description="token bucket of prompt + generated tokens")
+    ] = 0
+    timeout_s: Annotated[
+        float, Meta(ge=0, description="deadline to start for requests that give no timeout")
+    ] = 0
 
 
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -95,10 +138,15 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    # Tables of named tenants; set in the TOML file or live (`surge admin set
+    # tenants.NAME.FIELD=VALUE`), not by flags.
+    tenants: dict[str, TenantConfig] = {}
 
 
+# The sections whose options are flags and SURGE_* variables.
 SECTIONS: dict[str, type[Struct]] = {
-    name: typing.get_type_hints(SurgeConfig)[name] for name in SurgeConfig.__struct_fields__
+    name: hint for name, hint in typing.get_type_hints(SurgeConfig).items()
+    if isinstance(hint, type) and issubclass(hint, Struct)
 }
 
 
@@ -155,9 +203,12 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
         for section, values in data.items():
+            if section == "tenants" and isinstance(values, dict):
+                merged["tenants"] = values
+                continue
             if section not in merged or not isinstance(values, dict):
                 raise ConfigError(
-                    f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}"
+                    f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}, tenants"
                 )
             merged[section].update(values)
     for name, (section, _) in _options().items():

@@ -43,6 +43,21 @@ kv_blocks_total = Gauge("surge_kv_cache_blocks", "KV blocks in the cache",
 prefix_queries = Counter("surge_prefix_cache_queried_tokens", "prompt tokens looked up")
 prefix_hits = Counter("surge_prefix_cache_hit_tokens", "prompt tokens found in the cache")
 preemptions = Counter("surge_preemptions", "sequences preempted for recompute")
+queued_tokens = Gauge("surge_queued_prompt_tokens", "prompt tokens of queued requests",
+                      multiprocess_mode="livemax")
+rejected = Counter("surge_rejected_requests", "requests refused at arrival or ended in the "
+                   "queue, by tenant and the limit that said no", ["tenant", "limit"])
+tenant_running = Gauge("surge_tenant_running_requests", "requests in the batch by tenant",
+                       ["tenant"], multiprocess_mode="livemax")
+tenant_served = Counter("surge_tenant_served_tokens", "prompt and generated tokens computed "
+                        "for each tenant (fair sharing divides these by the weight)", ["tenant"])
+tenant_limit = Gauge("surge_tenant_limit", "each tenant's weight, default priority, quotas, "
+                     "rates and timeout (0: none)", ["tenant", "limit"],
+                     multiprocess_mode="livemax")
+live_parameter = Gauge("surge_live_parameter", "the scheduler's live numeric parameters "
+                       "(booleans as 0/1)", ["name"], multiprocess_mode="livemax")
+policy = Gauge("surge_scheduling_policy", "1 for the policy in force", ["policy"],
+               multiprocess_mode="livemax")
 
 # workers
 step_time = Histogram("surge_worker_step_seconds", "a worker's time per step",

@@ -39,7 +39,9 @@ class EngineRequest(Struct, tag=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
-    priority: int = 0  # lower is served first (vLLM's convention)
+    tenant: str = "default"
+    priority: int | None = None  # lower is served first (vLLM's convention); None: the tenant's
+    timeout_s: float | None = None  # must start within this; None: the tenant's default
 
 
 class AbortRequest(Struct, tag=True):
@@ -58,6 +60,9 @@ class TokenLogprobs(Struct, array_like=True):
 
 
 class RequestOutput(Struct, array_like=True):
+    """Tokens for a request. The first output of an accepted request is an empty one (the
+    acknowledgement), so the frontend can answer a refusal with its status before streaming."""
+
     request_id: str
     new_token_ids: list[int]
     # None while running; "stop" | "length" when done; "abort" | "error" when ended otherwise.
@@ -65,6 +70,7 @@ class RequestOutput(Struct, array_like=True):
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     status: int = 503  # with "error": the HTTP status it means (400: the request's own fault)
+    retry_after: float | None = None  # with a 429 or 503: seconds until a retry may succeed
 
 
 class EngineOutputs(Struct, tag=True):

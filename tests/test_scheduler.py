@@ -13,16 +13,17 @@ from hypothesis import strategies as st
 from scheduler.block_manager import BlockManager, block_hash
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
-from surge.config import SchedulerConfig
+from scheduler.tenants import Tenant
+from surge.config import SchedulerConfig, TenantConfig
 from surge.protocol import PREVIOUS_TOKEN, EngineRequest, SamplingParams, StepPlan, StepResult
 
 EOS = 2
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, priority: int = 0,
-             arrival: float = 0.0) -> EngineRequest:
+             arrival: float = 0.0, tenant: str = "default") -> EngineRequest:
     return EngineRequest(request_id=rid, prompt_token_ids=prompt, arrival_time=arrival,
-                         priority=priority,
+                         priority=priority, tenant=tenant,
                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                  stop_token_ids=[EOS]))
 
@@ -98,7 +99,8 @@ def check_blocks(sched: Scheduler) -> None:
 
 def test_block_manager_basics():
     bm = BlockManager(num_blocks=4, block_size=4)
-    seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0)
+    tenant = Tenant("default", TenantConfig(), 0.0)
+    seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0, tenant)
     assert bm.lookup(seq.token_ids) == []
     bm.admit(seq, [])
     bm.allocate(seq, 9)
@@ -106,7 +108,7 @@ def test_block_manager_basics():
     seq.num_computed_tokens = 9
     bm.name_full_blocks(seq)
     assert len(seq.block_hashes) == 2
-    other = Sequence(1, "b", [*range(8), 99], SamplingParams(max_tokens=1), 0, 0.0)
+    other = Sequence(1, "b", [*range(8), 99], SamplingParams(max_tokens=1), 0, 0.0, tenant)
     assert bm.lookup(other.token_ids) == seq.block_table[:2]
     # An exact copy of a cached prompt still computes its last token.
     assert bm.lookup(list(range(8))) == seq.block_table[:1]
@@ -133,14 +135,20 @@ actions = st.lists(
 
 @settings(max_examples=1500, deadline=None)
 @given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
-       st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans())
+       st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans(),
+       st.sampled_from(["fcfs", "priority", "sjf"]))
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
-                              eos_every, bucketing):
+                              eos_every, bucketing, policy):
     bs = 4
+    clock = [0.0]
+    # Requests of priority p belong to tenant p (weights 1, 2, 3): fair sharing, priority
+    # preemption and aging (one class a step) all in play.
     sched = Scheduler(SchedulerConfig(block_size=bs, max_num_seqs=max_seqs,
                                       max_num_batched_tokens=budget, prefix_cache=prefix_cache,
-                                      length_bucketing=bucketing),
-                      num_blocks)
+                                      length_bucketing=bucketing, policy=policy,
+                                      priority_aging_s=1.0),
+                      num_blocks, {str(p): TenantConfig(weight=p + 1) for p in range(3)},
+                      clock=lambda: clock[0])
     worker = FakeWorker(bs, eos_every)
     inflight: deque[tuple[StepPlan, StepResult]] = deque()
     outputs: dict[str, list[int]] = {}
@@ -160,6 +168,7 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
         check_blocks(sched)
 
     def step() -> None:
+        clock[0] += 1.0
         if len(inflight) == depth:
             finish_one()
         plan = sched.schedule()
@@ -176,7 +185,7 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
     for kind, prompt, a, priority in actions:
         if kind == "add":
             rid = f"r{next(counter)}"
-            error = sched.add(_request(rid, prompt, a, priority, float(len(accepted))))
+            error = sched.add(_request(rid, prompt, a, priority, clock[0], tenant=str(priority)))
             if error is None:
                 accepted.append(rid)
                 outputs[rid] = []

@@ -1,0 +1,106 @@
+"""Admission at arrival: tenant quotas and rate limits, the global queue bounds, and deadlines
+that cannot be met. A refused request is answered at once (429 or 503 with Retry-After),
+never queued into a timeout."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from scheduler.queue import WaitingQueue
+from scheduler.tenants import RateMeter, Tenant
+from surge.config import SchedulerConfig, TenantConfig
+from surge.protocol import EngineRequest, RequestOutput
+
+# Retry-After when there is no measured rate to estimate it from yet.
+_DEFAULT_RETRY_S = 1.0
+
+
+class Admission:
+    def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
+                 now: float) -> None:
+        self.cfg = cfg
+        self.tenant_cfgs = tenants
+        self.tenants: dict[str, Tenant] = {}
+        self.drained = RateMeter(now)  # requests leaving the queue for the batch
+        self.rejected: Counter[tuple[str, str]] = Counter()  # (tenant, limit) -> count
+
+    def tenant(self, name: str, now: float) -> Tenant:
+        """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            cfg = self.tenant_cfgs.get(name) or self.tenant_cfgs.get("default") or TenantConfig()
+            tenant = self.tenants[name] = Tenant(name, cfg, now)
+        return tenant
+
+    def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
+                  now: float) -> None:
+        """New live values, from the next arrival and step on."""
+        self.cfg, self.tenant_cfgs = cfg, tenants
+        default = tenants.get("default") or TenantConfig()
+        for name, tenant in self.tenants.items():
+            tenant.configure(tenants.get(name) or default, now)
+
+    def check(self, req: EngineRequest, tenant: Tenant, queue: WaitingQueue,
+              now: float) -> RequestOutput | None:
+        """A refusal naming the limit, or None (then the request's cost is taken)."""
+        limits = tenant.cfg
+        prompt = len(req.prompt_token_ids)
+        drain = self.drained.rate(now)
+
+        def refuse(limit: str, message: str, retry_s: float | None, status: int = 429
+                   ) -> RequestOutput:
+            self.rejected[(tenant.name, limit)] += 1
+            retry = None if retry_s is None else float(max(1, math.ceil(retry_s)))
+            hint = f"; retry after {retry:g}s" if retry else ""
+            return RequestOutput(req.request_id, [], "error", message + hint, status=status,
+                                 retry_after=retry)
+
+        def queue_wait(ahead: int) -> float:
+            return ahead / drain if drain else _DEFAULT_RETRY_S
+
+        if limits.max_concurrent and tenant.num_waiting + tenant.num_running >= \
+                limits.max_concurrent:
+            rate = tenant.finished.rate(now)
+            return refuse("max_concurrent", f"tenant {tenant.name!r} has "
+                          f"{limits.max_concurrent} requests in flight, its max_concurrent",
+                          1 / rate if rate else _DEFAULT_RETRY_S)
+        if limits.max_queued and tenant.num_waiting >= limits.max_queued:
+            return refuse("max_queued", f"tenant {tenant.name!r} has {limits.max_queued} "
+                          "requests queued, its max_queued", queue_wait(1))
+        bound = self.cfg.max_queued_requests
+        if bound and len(queue) >= bound:
+            return refuse("max_queued_requests", f"the server's queue is full ({bound} "
+                          "requests, max_queued_requests)", queue_wait(len(queue) - bound + 1))
+        bound = self.cfg.max_queued_tokens
+        if bound and prompt > bound:
+            return refuse("max_queued_tokens", f"the prompt ({prompt} tokens) is longer than "
+                          f"the whole queue may hold (max_queued_tokens={bound})", None, 400)
+        if bound and queue.num_tokens + prompt > bound:
+            share = queue.num_tokens / max(len(queue), 1)
+            return refuse("max_queued_tokens", f"the server's queue is full ({queue.num_tokens} "
+                          f"prompt tokens waiting, max_queued_tokens={bound})",
+                          queue_wait(math.ceil((queue.num_tokens + prompt - bound) / share)
+                                     if share else 1))
+        if wait := tenant.requests.wait_for(1, now):
+            return refuse("requests_per_min", f"tenant {tenant.name!r} is over its "
+                          f"requests_per_min ({limits.requests_per_min:g})", wait)
+        if limits.tokens_per_min and prompt > limits.tokens_per_min:
+            return refuse("tokens_per_min", f"the prompt ({prompt} tokens) is more than tenant "
+                          f"{tenant.name!r}'s tokens_per_min ({limits.tokens_per_min:g}) allows "
+                          "at once", None, 400)
+        if wait := tenant.tokens.wait_for(prompt, now):
+            return refuse("tokens_per_min", f"tenant {tenant.name!r} is over its "
+                          f"tokens_per_min ({limits.tokens_per_min:g})", wait)
+        timeout = req.timeout_s or limits.timeout_s
+        if timeout and drain:
+            priority = limits.priority if req.priority is None else req.priority
+            ahead = len(queue) if self.cfg.policy != "priority" else \
+                sum(1 for s in queue if s.priority <= priority)
+            if ahead / drain > timeout:
+                return refuse("timeout", f"the request cannot start within its timeout of "
+                              f"{timeout:g}s: {ahead} requests are ahead of it and the queue "
+                              f"drains {drain:.1f} a second", ahead / drain - timeout, 503)
+        tenant.requests.take(1, now)
+        tenant.tokens.take(prompt, now)
+        return None
