@@ -49,7 +49,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
     return result
 
 
-async def run(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Result], float]:
+async def run(url: str, bodies: list[dict], concurrency: int, headers: dict | None = None
+              ) -> tuple[list[Result], float]:
     """Send every body with at most `concurrency` in flight; (results, wall seconds)."""
     queue: asyncio.Queue[dict] = asyncio.Queue()
     for b in bodies:
@@ -62,7 +63,7 @@ async def run(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Resu
             results.append(await _one(session, url, queue.get_nowait()))
 
     started = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout,
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
     return results, time.perf_counter() - started

@@ -13,7 +13,7 @@ from surge.protocol import AdminReply, AdminRequest
 # field of a tenant is live too, as tenants.NAME.FIELD.
 LIVE = ("max_num_seqs", "max_num_batched_tokens", "batch_wait_ms", "prefix_cache",
         "async_scheduling", "length_bucketing", "policy", "priority_preemption",
-        "priority_aging_s", "max_queued_requests", "max_queued_tokens")
+        "priority_aging_s", "interactive_step_ms", "max_queued_requests", "max_queued_tokens")
 
 Tenants = dict[str, TenantConfig]
 

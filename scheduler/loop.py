@@ -152,7 +152,10 @@ class SchedulerLoop:
         worker never waits for this loop; one at a time without async_scheduling."""
         inflight: deque[StepPlan] = deque()
         while True:
-            depth = 2 if self.cfg.scheduler.async_scheduling else 1  # live: admin set
+            # Live (admin set); one step at a time while urgent arrivals must not wait for
+            # a step planned ahead of them.
+            depth = 2 if self.cfg.scheduler.async_scheduling and \
+                not (self.scheduler and self.scheduler.interactive()) else 1
             try:
                 self._step(inflight, depth)
             except (WorkerLost, RingClosed) as e:
@@ -185,6 +188,7 @@ class SchedulerLoop:
                 result = self._worker_message()  # a step planned before a worker was replaced
             assert isinstance(result, StepResult) and result.step_id == inflight[0].step_id
             self.worker_compute_s += result.compute_s
+            sched.cost.record(sum(len(s.token_ids) for s in inflight[0].seqs), result.compute_s)
             if self._continuous:  # the worker's wait before an idle engine's first step is
                 self.worker_wait_s += result.wait_s  # not overhead, just an empty queue
             outputs = sched.update(inflight.popleft(), result)

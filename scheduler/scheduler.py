@@ -17,6 +17,7 @@ from itertools import islice
 
 from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
+from scheduler.cost import StepCost
 from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
 from surge.config import SchedulerConfig, TenantConfig
@@ -31,6 +32,7 @@ from surge.protocol import (
 
 log = logging.getLogger("surge.scheduler")
 _BUCKET_WINDOW = 64  # how far down the queue length bucketing looks for similar prompts
+_MIXED_WINDOW_S = 10.0  # how recently a second priority class must have arrived to count
 
 
 class Scheduler:
@@ -49,6 +51,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_step_id = 0
         self.num_preemptions = 0
+        self.cost = StepCost()
+        self._classes_seen: dict[int, float] = {}  # priority -> its latest arrival
         self.queue_waits: list[float] = []  # arrival to first step, drained by the loop
 
     def has_work(self) -> bool:
@@ -84,6 +88,7 @@ class Scheduler:
         timeout = req.timeout_s or tenant.cfg.timeout_s
         deadline = req.arrival_time + timeout if timeout else None
         priority = tenant.cfg.priority if req.priority is None else req.priority
+        self._classes_seen[priority] = now
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
                        seed, req.arrival_time, tenant, priority, deadline)
         self._next_seq_id += 1
@@ -178,13 +183,20 @@ class Scheduler:
         return max(reversed(candidates), key=lambda s: (urgency(s, self.cfg, now)[0],
                                                         s.arrival_time))
 
-    def _preempt_for_urgent(self) -> None:
+    def interactive(self) -> bool:
+        """Whether steps are kept short for urgent arrivals (see interactive_step_ms)."""
+        if not self.cfg.interactive_step_ms or self.cfg.policy != "priority":
+            return False
+        now = self.clock()
+        return sum(now - seen < _MIXED_WINDOW_S for seen in self._classes_seen.values()) > 1
+
+    def _preempt_for_urgent(self, max_seqs: int) -> None:
         """Waiting requests of a more urgent class than some running ones take their places
         when the batch or the KV cache has no room for them."""
         now = self.clock()
-        seats = self.cfg.max_num_seqs - len(self.running)
+        seats = max_seqs - len(self.running)
         free = self.blocks.num_free
-        for seq in islice(self.waiting.order(self.cfg, now), self.cfg.max_num_seqs):
+        for seq in islice(self.waiting.order(self.cfg, now), max_seqs):
             if seq.num_pending:
                 continue
             hits = self.blocks.lookup(seq.token_ids)
@@ -207,12 +219,18 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pack the next step within the token budget: decodes first, then the chunks of
         prompts being prefilled, then waiting requests (long prompts split across steps)."""
-        budget = self.cfg.max_num_batched_tokens
+        budget, seats = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
+        if self.interactive():
+            tokens = self.cost.tokens_within(self.cfg.interactive_step_ms / 1000)
+            if tokens is not None:  # half the step for decodes, half for prompts
+                budget, seats = min(budget, tokens), min(seats, max(1, tokens // 2))
+            while len(self.running) > seats:
+                self._preempt(self._victim(self.running))
         # Planned on the spot, so that blocks a prompt fills are named before the next waiting
         # request looks them up: n choices of one prompt share it within the same step.
         chosen: list[ScheduledSeq] = []
         if self.cfg.policy == "priority" and self.cfg.priority_preemption and self.waiting:
-            self._preempt_for_urgent()
+            self._preempt_for_urgent(seats)
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0:
@@ -234,8 +252,8 @@ class Scheduler:
                 self.blocks.allocate(seq, need)
                 chosen.append(self._scheduled(seq, n))
                 budget -= n
-        for seq in self._admission_order():
-            if budget == 0 or len(self.running) == self.cfg.max_num_seqs:
+        for seq in self._admission_order(seats):
+            if budget == 0 or len(self.running) >= seats:
                 break
             if seq.num_pending:
                 continue  # preempted with a token still in flight: resume once it is known
@@ -258,10 +276,10 @@ class Scheduler:
         self._next_step_id += 1
         return plan
 
-    def _admission_order(self) -> Iterator[Sequence]:
+    def _admission_order(self, seats: int) -> Iterator[Sequence]:
         """Waiting sequences in the order to try them (see WaitingQueue.order); with length
         bucketing, the first and then those of a length within 2x of it."""
-        if len(self.running) >= self.cfg.max_num_seqs or not self.waiting:
+        if len(self.running) >= seats or not self.waiting:
             return iter(())
         order = self.waiting.order(self.cfg, self.clock())
         if not self.cfg.length_bucketing:

@@ -47,7 +47,7 @@ def _pairs(values: list[str]) -> dict[str, str]:
 
 
 def _persist(runtime_dir: str, values: dict[str, object]) -> str:
-    """Write values into the [scheduler] section of the server's config file."""
+    """Write values into the server's config file ([scheduler], or [tenants.NAME])."""
     try:
         with open(os.path.join(runtime_dir, "config")) as f:
             path = f.read()
@@ -56,7 +56,12 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
                          "--config FILE)") from None
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    data.setdefault("scheduler", {}).update(values)
+    for key, value in values.items():
+        if key.startswith("tenants."):  # tenants.NAME.FIELD -> [tenants.NAME] FIELD
+            name, _, field = key.removeprefix("tenants.").rpartition(".")
+            data.setdefault("tenants", {}).setdefault(name, {})[field] = value
+        else:
+            data.setdefault("scheduler", {})[key] = value
     with open(path, "w") as f:
         f.write(_toml(data))
     return path
@@ -64,7 +69,10 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
 
 def _toml(data: dict[str, dict[str, object]]) -> str:
     lines = []
-    for section, values in data.items():
+    tables = [(section, values) for section, values in data.items() if section != "tenants"]
+    tables += [(f"tenants.{json.dumps(name)}", values)
+               for name, values in data.get("tenants", {}).items()]
+    for section, values in tables:
         lines.append(f"[{section}]")
         for key, value in values.items():
             text = str(value).lower() if isinstance(value, bool) else (

@@ -100,6 +100,13 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                     "class more urgent (with sjf: halves its predicted length), so nothing "
                     "starves; 0: no aging")
     ] = 10.0
+    interactive_step_ms: Annotated[
+        float, Meta(ge=0, description="with policy=priority, while requests of more than one "
+                    "class have arrived in the last 10s, size each step from its measured cost "
+                    "to take at most this long and plan one step at a time, so an urgent "
+                    "arrival waits for a short step, not a long batch one (costs the less "
+                    "urgent classes throughput); 0: off")
+    ] = 0.0
     max_queued_requests: Annotated[
         int, Meta(ge=0, description="requests allowed to wait in the queue; more get 429 with "
                   "Retry-After (0: unbounded)")

@@ -190,6 +190,11 @@ class KeyStore:
         # mkstemp creates the file with mode 0600, so hashes are never readable by others.
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(self.path)}.")
         try:
+            with contextlib.suppress(OSError):
+                # Keep the owner: root editing the file of a service user must leave it
+                # readable by that user (a no-op for the owner itself).
+                owner = os.stat(self.path)
+                os.fchown(fd, owner.st_uid, owner.st_gid)
             with os.fdopen(fd, "wb") as f:
                 f.write(msgspec.json.format(msgspec.json.encode(_File(entries)), indent=2) + b"\n")
                 f.flush()

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from gpu_workers.worker import run_worker
-from scheduler.admin import LIVE
+from scheduler.admin import flatten
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
 from surge.log import setup_logging
@@ -144,13 +144,11 @@ class Supervisor:
         except ConfigError as e:
             log.error("reload refused, nothing changed: %s", e)
             return
-        reply = ask(self.channels.admin, "set", {
-            k: str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in msgspec.to_builtins(new.scheduler).items()
-            if k in LIVE})
+        reply = ask(self.channels.admin, "set", flatten(new.scheduler, new.tenants))
         if reply.ok:
             log.info("reloaded: %s", reply.values)
-            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler)
+            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
+                                               tenants=new.tenants)
         else:
             log.error("reload refused, nothing changed: %s", reply.message)
 

@@ -106,3 +106,19 @@ def test_quantiles_from_cumulative_buckets():
     assert quantile(buckets, 0.5) == pytest.approx(0.1 + 0.4 * 3 / 6)
     assert quantile(buckets, 0.95) == pytest.approx(0.5 + 0.5 * 1.5 / 2)
     assert quantile([], 0.5) is None
+
+
+def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
+    from surge.admin import _persist
+    from surge.config import load_config
+
+    config = tmp_path / "surge.toml"
+    config.write_text('[server]\nport = 9001\n[tenants.batch]\npriority = 10\n')
+    (tmp_path / "config").write_text(str(config))
+    _persist(str(tmp_path), {"tenants.batch.weight": 3.0, "tenants.new.max_queued": 5,
+                             "max_num_seqs": 2, "policy": "sjf"})
+    cfg = load_config({"config": str(config)}, {})
+    assert cfg.server.port == 9001 and cfg.scheduler.max_num_seqs == 2
+    assert cfg.scheduler.policy == "sjf"
+    assert cfg.tenants["batch"].weight == 3 and cfg.tenants["batch"].priority == 10
+    assert cfg.tenants["new"].max_queued == 5
