@@ -18,7 +18,7 @@ import random
 import sys
 import urllib.request
 
-from bench.loadgen import run, summary
+from surge.loadgen import closed_loop, summarize
 from tests.server import ServerProcess
 
 
@@ -51,11 +51,13 @@ def measure(args: list[str], bodies: list[dict], warmup: dict, concurrency: int,
             dtype: str) -> dict:
     server = ServerProcess(*args, dtype=dtype, kv_cache_memory="2GiB").wait_ready()
     try:
-        asyncio.run(run(server.url, [warmup], 1))
+        asyncio.run(closed_loop(server.url, [warmup], 1))
         before = _wait_for_fresh_stats(server.url, 0)
-        results, wall = asyncio.run(run(server.url, bodies, concurrency))
+        results, wall = asyncio.run(closed_loop(server.url, bodies, concurrency))
         after = _wait_for_fresh_stats(server.url, before["time"] + wall)
-        out = summary(results, wall)
+        full = summarize(results, wall)
+        out = {"ttft_p50_ms": full["ttft_ms"]["p50"], "output_tok_s": full["output_tok_s"],
+               "errors": full["requests"] - full["ok"]}
         compute = after["worker_compute_s"] - before["worker_compute_s"]
         wait = after["worker_wait_s"] - before["worker_wait_s"]
         out["worker_idle_share"] = wait / (wait + compute) if compute else float("nan")

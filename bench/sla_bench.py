@@ -15,13 +15,12 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import urllib.request
 
-from bench.loadgen import Result, _one, run
 from surge.keys import KeyStore
+from surge.loadgen import Result, closed_loop, percentiles, send
 from tests.server import ServerProcess
 
 _PROBE = {"prompt": "Answer in one short sentence: what is the capital of France, and which "
@@ -36,7 +35,7 @@ async def _probes(url: str, key: str, count: int, gap_s: float) -> list[Result]:
     results = []
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
         for _ in range(count):
-            results.append(await _one(session, url, _PROBE))
+            results.append(await send(session, url, _PROBE))
             await asyncio.sleep(gap_s)
     return results
 
@@ -53,7 +52,7 @@ async def _loaded(url: str, keys: dict[str, str], flood: int, probes: int, gap_s
 
     async def batch_client() -> None:
         while not stop.is_set():
-            await run(url, [_BATCH], 1, {"Authorization": f"Bearer {keys['a']}"})
+            await closed_loop(url, [_BATCH], 1, {"Authorization": f"Bearer {keys['a']}"})
 
     flooders = [asyncio.create_task(batch_client()) for _ in range(flood)]
     await asyncio.sleep(8)  # let the flood fill the batch
@@ -69,10 +68,6 @@ async def _loaded(url: str, keys: dict[str, str], flood: int, probes: int, gap_s
               "tokens_per_step": (after["scheduled_tokens"] - before["scheduled_tokens"]) / steps,
               "preemptions": after["preemptions"] - before["preemptions"]}
     return results, window
-
-
-def _p(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
 
 
 def measure(policy: str, opts: argparse.Namespace, extra: list[str]) -> dict:
@@ -92,12 +87,11 @@ def measure(policy: str, opts: argparse.Namespace, extra: list[str]) -> dict:
     finally:
         server.stop()
     errors = [r.error for r in idle + loaded if r.error]
-    idle_ttft = [r.ttft for r in idle if not r.error]
-    loaded_ttft = [r.ttft for r in loaded if not r.error]
-    return {"policy": policy, "idle_ttft_p50_ms": _p(idle_ttft, 50),
-            "idle_ttft_p95_ms": _p(idle_ttft, 95), "loaded_ttft_p50_ms": _p(loaded_ttft, 50),
-            "loaded_ttft_p95_ms": _p(loaded_ttft, 95),
-            "p95_ratio": _p(loaded_ttft, 95) / _p(idle_ttft, 95),
+    calm = percentiles([r.ttft for r in idle if not r.error])
+    busy = percentiles([r.ttft for r in loaded if not r.error])
+    return {"policy": policy, "idle_ttft_p50_ms": calm["p50"], "idle_ttft_p95_ms": calm["p95"],
+            "loaded_ttft_p50_ms": busy["p50"], "loaded_ttft_p95_ms": busy["p95"],
+            "p95_ratio": busy["p95"] / calm["p95"],
             **window, "errors": len(errors)}
 
 

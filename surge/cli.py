@@ -35,6 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     admin.add_argument("--key", default=None,
                        help="with keys add: store this key (16+ characters; -: read it from stdin) "
                             "instead of a new one")
+    bench = commands.add_parser(
+        "bench", help="load an OpenAI-compatible server and report latency and throughput",
+        description="Streams every request; reports TTFT, inter-token latency, TPOT and "
+                    "end-to-end latency percentiles, tokens/s, requests/s, errors by status and "
+                    "goodput under --slo-ttft/--slo-tpot. Several --concurrency or --rate "
+                    "values make a sweep.")
+    from surge.bench import add_arguments as bench_arguments
+
+    bench_arguments(bench)
     return parser
 
 
@@ -49,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from surge.supervisor import serve
 
         return serve(cfg, vars(args))
+    if args.command == "bench":
+        from surge.bench import run_bench
+
+        return run_bench(args)
     if args.command == "admin":
         from surge.admin import run_admin
 

@@ -58,7 +58,9 @@ class Sim:
             self.served[tenant] = self.served.get(tenant, 0) + len(item.token_ids)
             if rid not in self.order:
                 self.order.append(rid)
-        self.now += self.step_s + self.per_token_s * tokens
+        cost = self.step_s + self.per_token_s * tokens
+        self.sched.cost.record(tokens, cost)
+        self.now += cost
         sampled = [5] * sum(s.sample for s in plan.seqs)
         for out in self.sched.update(plan, StepResult(plan.step_id, sampled)):
             self.started.setdefault(out.request_id, self.now)
@@ -315,3 +317,38 @@ def test_live_weights_apply_from_the_next_step():
     sim.sched.configure(sim.sched.cfg, {"a": TenantConfig(weight=4), "b": TenantConfig()})
     run(300)
     assert abs(run(3000) - 0.8) < 0.08
+
+
+def test_step_cost_fit():
+    from scheduler.cost import StepCost
+
+    cost = StepCost()
+    assert cost.tokens_within(0.1) is None  # nothing measured yet
+    for tokens in range(1, 40):
+        cost.record(tokens, 0.02 + 0.001 * tokens)
+    assert cost.tokens_within(0.1) == pytest.approx(80, abs=1)
+    assert cost.tokens_within(0.01) == 1
+
+
+@pytest.mark.parametrize("step_ms", [0.0, 60.0])
+def test_interactive_steps_bound_urgent_ttft_under_a_flood(step_ms):
+    """A flood of lax requests fills a 64-sequence batch (steps of ~85 ms); urgent requests
+    arrive now and then. With interactive_step_ms, steps shrink to the target while both
+    classes are about, and an urgent request's first token comes within about two of them."""
+    sim = Sim(_cfg(max_num_seqs=64, interactive_step_ms=step_ms), per_token_s=1e-3)
+    ttfts = []
+    for i in range(1500):
+        while sim.sched.admission.tenant("default", sim.now).num_waiting < 8:
+            sim.submit(priority=10, prompt=32, max_tokens=128)
+        if i % 25 == 0:
+            rid, _ = sim.submit(priority=0, prompt=24, max_tokens=4)
+            arrived = sim.now
+            while rid not in sim.started:
+                sim.step()
+            ttfts.append(sim.started[rid] - arrived)
+        sim.step()
+    worst = max(ttfts[5:])
+    if step_ms:
+        assert worst <= 2 * step_ms / 1000 + 0.01, ttfts
+    else:
+        assert worst > 0.08  # the full batch's steps

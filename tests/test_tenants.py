@@ -143,6 +143,12 @@ def test_live_limits_and_metrics(server, env):
     assert values["tenants.limited.requests_per_min"] == 6000
     bad = _admin(env, server, "set", "tenants.batch.weight=0")
     assert bad.returncode == 1 and "weight" in bad.stdout
+    for bad in ("policy=lifo", "tenants.batch.colour=red"):
+        assert _admin(env, server, "set", bad).returncode == 1
+    for policy in ("sjf", "priority"):  # the policy is live too
+        out = _admin(env, server, "set", f"policy={policy}")
+        assert out.returncode == 0 and json.loads(out.stdout)["values"]["policy"] == policy
+        assert _complete(_client(server, env["keys"]["interactive"]))
     deadline = time.monotonic() + 10
     while True:  # the scheduler exports its figures about once a second
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:

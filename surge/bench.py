@@ -1,0 +1,257 @@
+"""`surge bench`: load any OpenAI-compatible server with a workload and report latency,
+throughput and goodput, for one load level or a sweep."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+from tqdm import tqdm
+
+from surge.loadgen import closed_loop, open_loop, summarize
+
+# Random prompt tokens are drawn from here: inside the vocabulary of any Llama-family model,
+# away from the special tokens at the start.
+_TOKEN_RANGE = (1000, 20000)
+
+
+def fixed_workload(rng: random.Random, n: int, input_len: int, output_len: int,
+                   shared_prefix_len: int) -> list[dict]:
+    """n prompts of exactly input_len random tokens (after a shared prefix, if any), each
+    generating exactly output_len tokens."""
+    prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(shared_prefix_len)]
+    return [{"prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
+             "max_tokens": output_len, "ignore_eos": True, "temperature": 0}
+            for _ in range(n)]
+
+
+def chat_workload(rng: random.Random, n: int) -> list[dict]:
+    """Long-tailed lengths like chat traffic: log-normal prompts (median 256 tokens) and
+    answers (median 96), clipped to 8..4096 and 4..1024."""
+    bodies = []
+    for _ in range(n):
+        prompt = min(4096, max(8, int(rng.lognormvariate(math.log(256), 1.0))))
+        output = min(1024, max(4, int(rng.lognormvariate(math.log(96), 0.8))))
+        bodies.append({"prompt": [rng.randrange(*_TOKEN_RANGE) for _ in range(prompt)],
+                       "max_tokens": output, "ignore_eos": True, "temperature": 0.7})
+    return bodies
+
+
+def trace_workload(path: str, rng: random.Random) -> list[tuple[float, dict]]:
+    """A recorded trace, one JSON object a line: `arrival` (seconds from the start),
+    `prompt` (text or token ids) or `prompt_len`, and `max_tokens`."""
+    arrivals = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = row["prompt"] if "prompt" in row else \
+                    [rng.randrange(*_TOKEN_RANGE) for _ in range(int(row["prompt_len"]))]
+                arrivals.append((float(row["arrival"]), {
+                    "prompt": prompt, "max_tokens": int(row["max_tokens"]),
+                    "ignore_eos": True, "temperature": 0}))
+            except (KeyError, ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: a trace line needs arrival, prompt or "
+                                 f"prompt_len, and max_tokens ({e})") from None
+    return sorted(arrivals, key=lambda a: a[0])
+
+
+def poisson(rng: random.Random, bodies: list[dict], rate: float) -> list[tuple[float, dict]]:
+    at, arrivals = 0.0, []
+    for body in bodies:
+        at += rng.expovariate(rate)
+        arrivals.append((at, body))
+    return arrivals
+
+
+def _get_json(url: str, headers: dict) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        return json.load(r)
+
+
+def fingerprint(url: str, headers: dict) -> dict:
+    """What the numbers were measured on: versions, CPU, device, revision, server settings."""
+    import importlib.metadata as md
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=5,
+                                  cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        revision = None
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "surge": version("surge"),
+        "torch": version("torch"), "platform": platform.platform(), "cpu": cpu,
+        "cores": os.cpu_count(), "git_revision": revision,
+        "load_average": os.getloadavg()[0], "url": url}
+    try:
+        info["server_models"] = _get_json(f"{url}/v1/models", headers).get("data")
+    except (OSError, ValueError) as e:
+        info["server_models"] = f"unavailable: {e}"
+    info["server_live_parameters"] = _live_parameters(url)
+    return info
+
+
+def _live_parameters(url: str) -> dict | None:
+    """A local surge's live parameters through its admin channel (None for other servers)."""
+    from urllib.parse import urlparse
+
+    from surge.admin import ask
+    from surge.runtime import find_server
+
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost"):
+        return None
+    try:
+        runtime_dir = find_server(parsed.port)
+    except LookupError:
+        return None
+    reply = ask(f"ipc://{runtime_dir}/admin", "get")
+    return reply.values if reply.ok else None
+
+
+def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
+    if opts.rate:
+        return [("rate", r) for r in opts.rate]
+    return [("concurrency", c) for c in opts.concurrency or [1]]
+
+
+def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) -> dict:
+    rng = random.Random(opts.seed)
+    if opts.workload == "trace":
+        arrivals = trace_workload(opts.trace, rng)[: opts.num_requests]
+        bodies = [b for _, b in arrivals]
+    elif opts.workload == "chat":
+        bodies = chat_workload(rng, opts.num_requests)
+    else:
+        bodies = fixed_workload(rng, opts.num_requests, opts.input_len, opts.output_len,
+                                opts.shared_prefix_len)
+    if opts.model:
+        bodies = [{**b, "model": opts.model} for b in bodies]
+    label = f"{kind} {level:g}"
+    with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
+        if kind == "rate" or opts.workload == "trace":
+            if opts.workload != "trace":
+                arrivals = poisson(rng, bodies, level)
+            results, wall = asyncio.run(open_loop(opts.url, arrivals, headers, opts.duration,
+                                                  done=bar.update))
+        else:
+            results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
+                                                    opts.duration, done=bar.update))
+    return {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
+
+
+def _row(result: dict) -> str:
+    kind = "rate" if "rate" in result else "concurrency"
+    errors = sum(result["errors"].values())
+    return (f"{kind} {result[kind]:>6g}  {result['output_tok_s']:8.1f} tok/s  "
+            f"{result['requests_per_s']:6.2f} req/s  TTFT p50 {result['ttft_ms']['p50']:7.1f} "
+            f"p95 {result['ttft_ms']['p95']:7.1f} ms  TPOT p50 {result['tpot_ms']['p50']:6.1f} "
+            f"p95 {result['tpot_ms']['p95']:6.1f} ms  goodput {result['goodput']['share']:.0%}"
+            f"  errors {errors}")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Throughput against TTFT p95 and TPOT p95 across the sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tput = [r["output_tok_s"] for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in ((axes[0], "ttft_ms", "TTFT p95 (ms)"),
+                          (axes[1], "tpot_ms", "TPOT p95 (ms)")):
+        ax.plot(tput, [r[key]["p95"] for r in results], marker="o")
+        for r, x in zip(results, tput, strict=True):
+            kind = "rate" if "rate" in r else "concurrency"
+            ax.annotate(f"{r[kind]:g}", (x, r[key]["p95"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("surge bench: " + ("rate" if "rate" in results[0] else "concurrency") +
+                 " sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the server (any OpenAI-compatible one); only it is contacted")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--model", default=None, help="model name to send (default: none)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, nargs="+", metavar="N",
+                      help="closed loop with N clients (several values: a sweep); default 1")
+    load.add_argument("--rate", type=float, nargs="+", metavar="R",
+                      help="open loop, Poisson arrivals at R requests/s (several: a sweep)")
+    parser.add_argument("--workload", choices=["fixed", "chat", "trace"], default="fixed")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="tokens of prefix every prompt shares (prefix-cache workloads)")
+    parser.add_argument("--trace", help="JSONL trace to replay (with --workload trace)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=None,
+                        help="start no request after this many seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
+    parser.add_argument("--output", help="write the JSON result here")
+    parser.add_argument("--plot", help="PNG of throughput vs TTFT/TPOT p95 across the sweep")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run_bench(opts: argparse.Namespace) -> int:
+    if opts.workload == "trace" and not opts.trace:
+        print("surge bench: --workload trace needs --trace FILE", file=sys.stderr)
+        return 2
+    if min(opts.input_len, opts.output_len, opts.num_requests) < 1:
+        print("surge bench: lengths and --num-requests must be at least 1", file=sys.stderr)
+        return 2
+    opts.url = opts.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    try:
+        _get_json(f"{opts.url}/v1/models", headers)
+    except (OSError, ValueError) as e:
+        print(f"surge bench: cannot reach {opts.url}/v1/models: {e}", file=sys.stderr)
+        return 1
+    results = []
+    for kind, level in _levels(opts):
+        results.append(run_level(opts, kind, level, headers))
+        print(_row(results[-1]), flush=True)
+    report = {"environment": fingerprint(opts.url, headers),
+              "workload": {k: v for k, v in vars(opts).items()
+                           if k not in ("api_key", "output", "plot", "no_progress")},
+              "results": results}
+    if opts.output:
+        with open(opts.output, "w") as f:
+            json.dump(report, f, indent=2)
+    if opts.plot:
+        plot(results, opts.plot)
+    return 0 if all(r["ok"] for r in results) else 1
