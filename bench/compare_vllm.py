@@ -52,18 +52,50 @@ def setup_vllm() -> str:
 
 
 def export_model() -> str:
-    """The default GGUF as a Hugging Face folder (bf16 safetensors + tokenizer), once."""
+    """The default GGUF as a Hugging Face folder (bf16 safetensors, config, tokenizer), written
+    from surge's own loader, so both servers compute with exactly the same weights."""
     if os.path.exists(os.path.join(EXPORT, "config.json")):
         return EXPORT
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from gpu_workers.loader import load_model
 
     files = resolve_model("default")
-    model = AutoModelForCausalLM.from_pretrained(files.folder, gguf_file=files.gguf_file,
-                                                 torch_dtype=torch.bfloat16)
+    model = load_model(files, torch.device("cpu"), torch.bfloat16)
+    cfg = model.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    tensors = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
+    for i, layer in enumerate(model.layers):
+        wq, wk, wv = layer.attn.qkv_proj.weight.split((q, kv, kv))
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        for name, tensor in (("self_attn.q_proj", wq), ("self_attn.k_proj", wk),
+                             ("self_attn.v_proj", wv), ("self_attn.o_proj",
+                                                        layer.attn.o_proj.weight),
+                             ("mlp.gate_proj", gate), ("mlp.up_proj", up),
+                             ("mlp.down_proj", layer.mlp.down_proj.weight),
+                             ("input_layernorm", layer.input_norm),
+                             ("post_attention_layernorm", layer.post_attn_norm)):
+            tensors[f"model.layers.{i}.{name}.weight"] = tensor
+    if model.lm_head is not None:
+        tensors["lm_head.weight"] = model.lm_head.weight
+    os.makedirs(EXPORT, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+              os.path.join(EXPORT, "model.safetensors"), metadata={"format": "pt"})
     tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
-    model.save_pretrained(EXPORT)
     tokenizer.save_pretrained(EXPORT)
+    with open(os.path.join(EXPORT, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                   "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+                   "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                   "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+                   "rope_scaling": cfg.rope_scaling, "vocab_size": cfg.vocab_size,
+                   "max_position_embeddings": cfg.max_position_embeddings,
+                   "tie_word_embeddings": model.lm_head is None, "torch_dtype": "bfloat16",
+                   "hidden_act": "silu", "bos_token_id": tokenizer.bos_token_id,
+                   "eos_token_id": tokenizer.eos_token_id}, f, indent=2)
     return EXPORT
 
 
