@@ -20,10 +20,12 @@ def store_kv(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, KVH, max_blocks * block_size, D] contiguous keys/values."""
+    """[B, max_blocks] block ids -> [B, KVH, max_blocks * block_size, D] keys/values."""
     b, nb = block_tables.shape
     _, bs, kvh, d = cache.shape
-    return cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+    # index_select copies whole blocks; advanced indexing (cache[block_tables]) is several
+    # times slower on the CPU for the same result.
+    return cache.index_select(0, block_tables.reshape(-1)).view(b, nb * bs, kvh, d).transpose(1, 2)
 
 
 def decode_attention(
