@@ -105,7 +105,7 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
                 return
         except OSError:
             time.sleep(1)

@@ -261,7 +261,9 @@ class SchedulerLoop:
         metrics.queued_tokens.set(sched.waiting.num_tokens)
         queued: dict[tuple[str, str], int] = dict.fromkeys(self._queues_seen, 0)
         for seq in sched.waiting:
-            key = (str(seq.priority), seq.tenant.name)
+            # Clients choose priorities: far-out values share one label, so series stay few.
+            label = str(seq.priority) if -100 <= seq.priority <= 100 else "other"
+            key = (label, seq.tenant.name)
             queued[key] = queued.get(key, 0) + 1
         for (priority, tenant), count in queued.items():
             metrics.waiting.labels(priority, tenant).set(count)

@@ -89,6 +89,9 @@ class Scheduler:
         deadline = req.arrival_time + timeout if timeout else None
         priority = tenant.cfg.priority if req.priority is None else req.priority
         self._classes_seen[priority] = now
+        if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
+            self._classes_seen = {p: t for p, t in self._classes_seen.items()
+                                  if now - t < _MIXED_WINDOW_S}
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
                        seed, req.arrival_time, tenant, priority, deadline)
         self._next_seq_id += 1
