@@ -25,21 +25,22 @@ class Admission:
         self.drained = RateMeter(now)  # requests leaving the queue for the batch
         self.rejected: Counter[tuple[str, str]] = Counter()  # (tenant, limit) -> count
 
-    def tenant(self, name: str, now: float) -> Tenant:
+    def limits(self, name: str) -> TenantConfig:
         """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
+        return self.tenant_cfgs.get(name) or self.tenant_cfgs.get("default") or TenantConfig()
+
+    def tenant(self, name: str, now: float) -> Tenant:
         tenant = self.tenants.get(name)
         if tenant is None:
-            cfg = self.tenant_cfgs.get(name) or self.tenant_cfgs.get("default") or TenantConfig()
-            tenant = self.tenants[name] = Tenant(name, cfg, now)
+            tenant = self.tenants[name] = Tenant(name, self.limits(name), now)
         return tenant
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                   now: float) -> None:
         """New live values, from the next arrival and step on."""
         self.cfg, self.tenant_cfgs = cfg, tenants
-        default = tenants.get("default") or TenantConfig()
         for name, tenant in self.tenants.items():
-            tenant.configure(tenants.get(name) or default, now)
+            tenant.configure(self.limits(name), now)
 
     def check(self, req: EngineRequest, tenant: Tenant, queue: WaitingQueue,
               now: float) -> RequestOutput | None:

@@ -297,10 +297,9 @@ class SchedulerLoop:
         for name in ("fcfs", "priority", "sjf"):
             metrics.policy.labels(name).set(float(name == cfg.scheduler.policy))
         assert self.scheduler is not None
-        tenants = {**dict.fromkeys(self.scheduler.admission.tenants), **cfg.tenants}
-        for name in tenants:
-            limits = self.scheduler.admission.tenant(name, time.time()).cfg
-            for field, value in msgspec.to_builtins(limits).items():
+        admission = self.scheduler.admission
+        for name in {*admission.tenants, *cfg.tenants}:
+            for field, value in msgspec.to_builtins(admission.limits(name)).items():
                 metrics.tenant_limit.labels(name, field).set(float(value))
 
     def fail_all(self, reason: str) -> None:
