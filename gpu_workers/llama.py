@@ -49,14 +49,14 @@ class Attention(nn.Module):
         self.split = (q, kv, kv)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = kernels.apply_rotary(q, k, positions, rope)
+        q, k = kernels.apply_rotary(q, k, *rope)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode
@@ -93,14 +93,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, kernels.rms_norm(x, self.input_norm, self.eps)
         else:
             x, residual = kernels.add_rms_norm(x, residual, self.input_norm, self.eps)
-        x = self.attn(x, positions, rope, meta, kv_cache)
+        x = self.attn(x, rope, meta, kv_cache)
         x, residual = kernels.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         return self.mlp(x), residual
 
@@ -128,8 +128,9 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed(input_ids)
         residual = None
+        rope = kernels.rotary_angles(positions, self.rope)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+            x, residual = layer(x, residual, rope, meta, kv_cache)
         x, _ = kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 

@@ -2,7 +2,7 @@
 
 from kernels.attention import decode_attention, prefill_attention, store_kv
 from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, rotary_cache
+from kernels.rotary import apply_rotary, rotary_angles, rotary_cache
 
 __all__ = [
     "add_rms_norm",
@@ -10,6 +10,7 @@ __all__ = [
     "decode_attention",
     "prefill_attention",
     "rms_norm",
+    "rotary_angles",
     "rotary_cache",
     "store_kv",
 ]

@@ -36,11 +36,18 @@ def _scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, KVH, D] rotated by their token's position."""
+def rotary_angles(positions: torch.Tensor, cache: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D/2] for each token's position: looked up once a step, used by every
+    layer."""
     cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, KVH, D] rotated by their token's angles (see rotary_angles)."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
