@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the model runner alone (no server), --batch sequences of
 --context tokens decoding, profiled with torch.profiler; the table is sorted by self time.
 
-Usage: .venv/bin/python -m bench.profile_step [--batch 64] [--context 192] [--dtype auto]
+Usage: .venv/bin/python -m bench.profile_step [--batch 64] [--context 192] [--no-pack]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gpu_workers.loader import load_model
+from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.worker import pick_dtype
 from surge.config import ModelConfig
 from surge.model_files import resolve_model
@@ -28,9 +29,13 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-pack", action="store_true", help="plain (not oneDNN-packed) weights")
     opts = parser.parse_args()
     dtype = pick_dtype(ModelConfig(dtype=opts.dtype), torch.device("cpu"))
     model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
+    packed = not opts.no_pack and can_pack(torch.device("cpu"), dtype)
+    if packed:
+        pack_model(model)
     engine = InProcessEngine(model, num_blocks=4096, max_num_seqs=opts.batch,
                              max_num_batched_tokens=opts.batch * opts.context)
     for i in range(opts.batch):
@@ -49,7 +54,8 @@ def main() -> int:
             times.append(time.perf_counter() - started)
             sched.update(plan, result)
     step = statistics.median(times)
-    print(f"{dtype}, {torch.get_num_threads()} threads: batch {opts.batch} at context "
+    print(f"{dtype}{' packed' if packed else ''}, {torch.get_num_threads()} threads: "
+          f"batch {opts.batch} at context "
           f"~{opts.context}: step {step * 1000:.1f} ms median (profiled) = "
           f"{opts.batch / step:.0f} tok/s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

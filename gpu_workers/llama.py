@@ -135,5 +135,6 @@ class LlamaModel(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed.weight).float()
+        return self.lm_head(hidden).float()

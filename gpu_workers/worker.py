@@ -14,6 +14,7 @@ import zmq
 
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import ModelRunner, kv_block_bytes
+from gpu_workers.packed import can_pack, pack_model
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SurgeConfig, parse_memory
@@ -99,6 +100,9 @@ def _load(cfg: SurgeConfig, rank: int) -> tuple[ModelRunner, WorkerReady]:
     files = resolve_model(cfg.model.model)
     started = time.monotonic()
     model = load_model(files, device, dtype)
+    packed = cfg.model.pack_weights and can_pack(device, dtype)
+    if packed:
+        pack_model(model)
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     num_blocks = budget // kv_block_bytes(model, block_size, dtype)
@@ -107,7 +111,8 @@ def _load(cfg: SurgeConfig, rank: int) -> tuple[ModelRunner, WorkerReady]:
                          f"of {block_size} tokens; raise it")
     runner = ModelRunner(model, num_blocks, block_size, device, dtype)
     runner.warm_up()
-    description = (f"{files.path} on {device} in {str(dtype).removeprefix('torch.')}, "
+    description = (f"{files.path} on {device} in {str(dtype).removeprefix('torch.')}"
+                   f"{' (oneDNN-packed weights)' if packed else ''}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
