@@ -33,6 +33,7 @@ class AttentionMetadata(Struct, kw_only=True):
     num_decode: int
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks]
     decode_context_lens: torch.Tensor  # [num_decode]
+    decode_shared_blocks: int = 0  # leading blocks every decoding sequence has in common
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks]
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         if nd:
             parts.append(kernels.decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale))
+                self.scale, meta.decode_shared_blocks))
         if nd < t:
             parts.append(kernels.prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from gpu_workers.llama import AttentionMetadata, LlamaModel
@@ -106,13 +108,21 @@ class ModelRunner:
         tables = _padded([s.block_table for s in seqs])
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
         context_lens = starts + counts
+        decode_tables = [s.block_table for s in seqs[:num_decode]]
+        shared = 0
+        if self.device.type == "cpu" and num_decode > 1:  # cascade attention is CPU-only
+            # Blocks at the head of every decoding sequence's table (a shared prompt), full in
+            # each, with at least one token of its own left after them.
+            shared = min(len(os.path.commonprefix(decode_tables)),
+                         (int(context_lens[:num_decode].min()) - 1) // bs)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode=num_decode,
             # Padded per group: decode attention reads every listed block, so keep it narrow.
-            decode_block_tables=_padded([s.block_table for s in seqs[:num_decode]]).to(dev),
+            decode_block_tables=_padded(decode_tables).to(dev),
             decode_context_lens=context_lens[:num_decode].to(dev),
+            decode_shared_blocks=shared,
             prefill_block_tables=_padded([s.block_table for s in seqs[num_decode:]]).to(dev),
             prefill_query_lens=lens[num_decode:],
             prefill_context_lens=context_lens[num_decode:].tolist(),

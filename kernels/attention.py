@@ -31,10 +31,15 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    shared_blocks: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens."""
+    """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens.
+    On the CPU, the first shared_blocks blocks may be the same for every sequence (and full in
+    each): they are then read once for all queries (cascade attention)."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
+    if shared_blocks:
+        return _cascade(q, k_cache, v_cache, block_tables, context_lens, scale, shared_blocks)
     k = _gather(k_cache, block_tables)
     v = _gather(v_cache, block_tables)
     # Each KV head serves a group of query heads: lay the group out as the "query length".
@@ -43,6 +48,39 @@ def decode_attention(
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(b, h, d)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU attention that also returns each query's log-sum-exp of its scores."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def _cascade(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, shared_blocks: int,
+) -> torch.Tensor:
+    """The shared blocks attended by every query at once, each sequence's own blocks apart;
+    the two parts merged by their log-sum-exp."""
+    b, h, d = q.shape
+    kvh, g = k_cache.shape[2], h // k_cache.shape[2]
+    head = block_tables[:1, :shared_blocks]
+    everyone = q.view(b, kvh, g, d).transpose(0, 1).reshape(1, kvh, b * g, d)
+    out_head, lse_head = _attend(everyone, _gather(k_cache, head), _gather(v_cache, head), scale)
+    out_head = out_head.view(kvh, b, g, d).transpose(0, 1)
+    lse_head = lse_head.view(kvh, b, g).transpose(0, 1)
+    tail = block_tables[:, shared_blocks:]
+    k, v = _gather(k_cache, tail), _gather(v_cache, tail)
+    lens = context_lens - shared_blocks * k_cache.shape[1]
+    hidden = torch.arange(k.shape[2], device=q.device)[None, :] >= lens[:, None]
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        hidden, float("-inf"))[:, None, None, :]
+    out_tail, lse_tail = _attend(q.view(b, kvh, g, d), k, v, scale, mask)
+    top = torch.maximum(lse_head, lse_tail)
+    w_head, w_tail = (lse_head - top).exp()[..., None], (lse_tail - top).exp()[..., None]
+    out = (out_head.float() * w_head + out_tail.float() * w_tail) / (w_head + w_tail)
+    return out.to(q.dtype).reshape(b, h, d)
 
 
 def prefill_attention(

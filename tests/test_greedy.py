@@ -75,7 +75,13 @@ def test_prefix_cache_hits_keep_reference_tokens(engine_model, prompts, expected
                 for i in range(3)}
     for name, ids in variants.items():
         engine.add(name, ids, 16)
+    # Decoding together over the same cached blocks: cascade attention reads them once.
+    shared: list[int] = []
+    prepare = engine.runner._prepare
+    engine.runner._prepare = lambda seqs: (out := prepare(seqs),
+                                           shared.append(out[2].decode_shared_blocks))[0]
     got = engine.run()
+    assert max(shared) >= 896 // 16, shared
     blocks = engine.scheduler.blocks
     assert blocks.hit_tokens >= 3 * 896, blocks.hit_tokens
     for name, ids in variants.items():

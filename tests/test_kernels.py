@@ -54,6 +54,29 @@ def test_decode_attention(block_size, h, kvh):
         torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("shared", "block_size"), [(1, 4), (3, 4), (2, 16)])
+@pytest.mark.parametrize(("h", "kvh"), [(4, 4), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_over_shared_blocks(shared, block_size, h, kvh, dtype):
+    """Sequences whose first blocks are the same ones (a shared prompt): reading those once for
+    every query gives the same attention as reading them per sequence."""
+    g = torch.Generator().manual_seed(shared)
+    num_blocks, d = 64, 8
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    own = torch.randperm(num_blocks - shared, generator=g) + shared
+    lengths = [shared * block_size + n for n in (1, 3, block_size, 2 * block_size + 1)]
+    width = -(-max(lengths) // block_size)
+    tables = torch.stack([torch.cat([torch.arange(shared), own[i * width : (i + 1) * width]])
+                          [:width] for i in range(len(lengths))])
+    q = torch.randn(len(lengths), h, d, generator=g).to(dtype)
+    lens = torch.tensor(lengths)
+    plain = decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
+    cascade = decode_attention(q, k_cache, v_cache, tables, lens, 0.3, shared_blocks=shared)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cascade, plain, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("block_size", [2, 16])
 @pytest.mark.parametrize(("h", "kvh"), [(4, 2), (9, 3)])
 def test_prefill_attention_with_cached_context(block_size, h, kvh):

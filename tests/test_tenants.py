@@ -155,8 +155,10 @@ def test_live_limits_and_metrics(server, env):
             samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                        for f in text_string_to_metric_families(r.read().decode())
                        for s in f.samples}
-        if samples.get(("surge_tenant_limit", (("limit", "weight"), ("tenant", "batch")))) \
-                == 3 or time.monotonic() > deadline:
+        settled = (
+            samples.get(("surge_tenant_limit", (("limit", "weight"), ("tenant", "batch")))) == 3
+            and samples.get(("surge_scheduling_policy", (("policy", "priority"),))) == 1)
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert samples[("surge_tenant_limit", (("limit", "weight"), ("tenant", "batch")))] == 3
