@@ -197,25 +197,29 @@ class Scheduler:
         """Waiting requests of a more urgent class than some running ones take their places
         when the batch or the KV cache has no room for them."""
         now = self.clock()
+        # Aged like the waiting ones, so two requests never preempt each other in turn.
+        classes = {s.seq_id: urgency(s, self.cfg, now)[0] for s in self.running}
         seats = max_seqs - len(self.running)
         free = self.blocks.num_free
         for seq in islice(self.waiting.order(self.cfg, now), max_seqs):
+            urgent = urgency(seq, self.cfg, now)[0]
+            if urgent >= max(classes.values(), default=urgent):
+                return  # the queue comes most urgent first: no one further on can preempt
             if seq.num_pending:
                 continue
             hits = self.blocks.lookup(seq.token_ids)
             cached = len(hits) * self.cfg.block_size
             need = self.blocks.blocks_for(
                 cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)) - len(hits)
-            urgent = urgency(seq, self.cfg, now)[0]
             while seats < 1 or free < need:
-                # Aged like the waiting ones, so two requests never preempt each other in turn.
-                lax = [s for s in self.running if urgency(s, self.cfg, now)[0] > urgent]
+                lax = [s for s in self.running if classes[s.seq_id] > urgent]
                 if not lax:
-                    return  # the rest of the queue is no more urgent than this one
+                    return
                 victim = self._victim(lax)
                 free += len(victim.block_table)  # at most: some may be shared
                 seats += 1
                 self._preempt(victim)
+                del classes[victim.seq_id]
             seats -= 1
             free -= need
 
