@@ -47,17 +47,18 @@ class Attention(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.split = (q, kv, kv)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = kernels.apply_rotary(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # Queries and keys are adjacent columns: rotate them in one pass.
+        qk = kernels.apply_rotary(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d),
+                                  *rope)
+        q, k = qk.split((heads, kv_heads), dim=1)
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode
