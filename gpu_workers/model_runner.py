@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -43,6 +44,9 @@ class ModelRunner:
                                     device=device)
         # What the last step sampled, for plans made before it finished (PREVIOUS_TOKEN).
         self.last_sampled: dict[int, int] = {}
+        # The last step's model forward (with the LM head), without input building and sampling;
+        # on CUDA only the launches, as nothing waits for the device here.
+        self.forward_s = 0.0
 
     def warm_up(self) -> None:
         """A prefill and a decode step on throwaway blocks, so the first real request does not
@@ -64,13 +68,16 @@ class ModelRunner:
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         input_ids, positions, meta = self._prepare(seqs)
+        started = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_cache)
         ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
         want = [i for i, s in enumerate(seqs) if s.sample]
         if not want:
             self.last_sampled = {}
+            self.forward_s = time.perf_counter() - started
             return [], []
         logits = self.model.logits(hidden[ends[want].to(self.device)])
+        self.forward_s = time.perf_counter() - started
         picked = [seqs[i] for i in want]
         batch = SamplingBatch.build(
             picked, [s.start_pos + len(s.token_ids) for s in picked],

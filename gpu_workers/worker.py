@@ -81,7 +81,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
             if rank == 0:
                 results.send(encode(StepResult(
                     msg.step_id, tokens, logprobs, compute_s=time.perf_counter() - started,
-                    wait_s=started - idle_since)))
+                    forward_s=runner.forward_s, wait_s=started - idle_since)))
             idle_since = time.perf_counter()
     except (SystemExit, RingClosed):
         pass

@@ -72,6 +72,7 @@ class SchedulerLoop:
         self.generated_tokens = 0
         self.worker_compute_s = 0.0
         self.worker_wait_s = 0.0
+        self.worker_forward_s = 0.0
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
         self._queues_seen: set[tuple[str, str]] = set()  # (priority, tenant) labels exported
@@ -188,6 +189,7 @@ class SchedulerLoop:
                 result = self._worker_message()  # a step planned before a worker was replaced
             assert isinstance(result, StepResult) and result.step_id == inflight[0].step_id
             self.worker_compute_s += result.compute_s
+            self.worker_forward_s += result.forward_s
             sched.cost.record(sum(len(s.token_ids) for s in inflight[0].seqs), result.compute_s)
             if self._continuous:  # the worker's wait before an idle engine's first step is
                 self.worker_wait_s += result.wait_s  # not overhead, just an empty queue
@@ -245,7 +247,8 @@ class SchedulerLoop:
             prefix_queried_tokens=blocks.queried_tokens, prefix_hit_tokens=blocks.hit_tokens,
             preemptions=sched.num_preemptions, steps=self.steps,
             scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
-            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s)
+            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s,
+            worker_forward_s=self.worker_forward_s)
 
     def _stats_dict(self) -> dict[str, Any]:
         stats = msgspec.to_builtins(self._stats())

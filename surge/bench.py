@@ -134,6 +134,34 @@ def _live_parameters(url: str) -> dict | None:
     return reply.values if reply.ok else None
 
 
+def _engine_stats(url: str, after: float | None = None) -> dict | None:
+    """A surge server's running totals (/stats), fresher than `after` if given; None from
+    other servers."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            stats = _get_json(f"{url}/stats", {})
+        except (OSError, ValueError):
+            return None
+        # Empty until the scheduler's first report, a moment after the server is ready.
+        if stats and (after is None or stats["time"] >= after) or time.monotonic() > deadline:
+            return stats or None
+        time.sleep(0.2)
+
+
+def _server_share(before: dict, after: dict) -> dict:
+    """Where a surge server's time went over the run: the model forward, the rest of the
+    worker's step (inputs, sampling), and everything else (scheduling, IPC, waiting)."""
+    span = after["time"] - before["time"]
+    forward = after.get("worker_forward_s", 0) - before.get("worker_forward_s", 0)
+    compute = after["worker_compute_s"] - before["worker_compute_s"]
+    return {"seconds": span, "steps": after["steps"] - before["steps"],
+            "forward_share": forward / span, "step_outside_forward_share": (compute - forward)
+            / span, "outside_steps_share": 1 - compute / span}
+
+
 def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
     if opts.rate:
         return [("rate", r) for r in opts.rate]
@@ -153,6 +181,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
+    before = _engine_stats(opts.url)
     with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
         if kind == "rate" or opts.workload == "trace":
             if opts.workload != "trace":
@@ -162,7 +191,11 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
         else:
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
                                                     opts.duration, done=bar.update))
-    return {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
+    result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
+    after = _engine_stats(opts.url, after=before["time"] + wall) if before else None
+    if before and after:
+        result["server"] = _server_share(before, after)
+    return result
 
 
 def _row(result: dict) -> str:

@@ -93,6 +93,7 @@ class EngineStats(Struct, tag=True, kw_only=True):
     generated_tokens: int
     worker_compute_s: float
     worker_wait_s: float
+    worker_forward_s: float = 0.0
 
 
 class EngineReady(Struct, tag=True, kw_only=True):
@@ -149,6 +150,7 @@ class StepResult(Struct, tag=True):
     sampled_token_ids: list[int]  # one per ScheduledSeq with sample=True, in plan order
     logprobs: list[TokenLogprobs | None] = []  # likewise, where asked for (empty: nobody did)
     compute_s: float = 0.0  # the worker's time on this step
+    forward_s: float = 0.0  # of which the model forward (see ModelRunner.forward_s)
     wait_s: float = 0.0  # how long the worker waited for this plan after the previous step
 
 

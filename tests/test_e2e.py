@@ -200,3 +200,20 @@ def test_still_healthy_after_bad_input(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT[0], temperature=0,
                                        max_tokens=30)
     assert r.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_surge_bench_against_surge_reports_where_server_time_went(server, tmp_path):
+    from surge.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["bench", "--url", server.url, "--concurrency", "4", "--num-requests", "8",
+                 "--input-len", "16", "--output-len", "16", "--no-progress",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert result["ok"] == 8 and result["output_tok_s"] > 0
+    share = result["server"]
+    assert share["steps"] >= 16 and 0 < share["forward_share"] <= 1
+    assert 0 <= share["step_outside_forward_share"] < share["forward_share"]
+    # The local server's live parameters come with the numbers.
+    assert report["environment"]["server_live_parameters"]["max_num_seqs"] == 128
