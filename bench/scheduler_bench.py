@@ -16,21 +16,10 @@ import json
 import os
 import random
 import sys
-import urllib.request
 
+from surge.bench import engine_stats
 from surge.loadgen import closed_loop, summarize
 from tests.server import ServerProcess
-
-
-def _stats(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/stats") as r:
-        return json.load(r)
-
-
-def _wait_for_fresh_stats(url: str, after: float) -> dict:
-    while (stats := _stats(url)).get("time", 0) <= after:
-        asyncio.run(asyncio.sleep(0.2))
-    return stats
 
 
 def prefix_workload(rng: random.Random) -> tuple[list[dict], dict]:
@@ -52,9 +41,9 @@ def measure(args: list[str], bodies: list[dict], warmup: dict, concurrency: int,
     server = ServerProcess(*args, dtype=dtype, kv_cache_memory="2GiB").wait_ready()
     try:
         asyncio.run(closed_loop(server.url, [warmup], 1))
-        before = _wait_for_fresh_stats(server.url, 0)
+        before = engine_stats(server.url)
         results, wall = asyncio.run(closed_loop(server.url, bodies, concurrency))
-        after = _wait_for_fresh_stats(server.url, before["time"] + wall)
+        after = engine_stats(server.url, after=before["time"] + wall)
         full = summarize(results, wall)
         out = {"ttft_p50_ms": full["ttft_ms"]["p50"], "output_tok_s": full["output_tok_s"],
                "errors": full["requests"] - full["ok"]}

@@ -17,8 +17,9 @@ import json
 import os
 import sys
 import tempfile
-import urllib.request
+import time
 
+from surge.bench import engine_stats
 from surge.keys import KeyStore
 from surge.loadgen import Result, closed_loop, percentiles, send
 from tests.server import ServerProcess
@@ -40,11 +41,6 @@ async def _probes(url: str, key: str, count: int, gap_s: float) -> list[Result]:
     return results
 
 
-def _stats(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/stats") as r:
-        return json.load(r)
-
-
 async def _loaded(url: str, keys: dict[str, str], flood: int, probes: int, gap_s: float
                   ) -> tuple[list[Result], dict]:
     """B's probes while A's flood runs; (B's results, the server's figures over them)."""
@@ -56,9 +52,11 @@ async def _loaded(url: str, keys: dict[str, str], flood: int, probes: int, gap_s
 
     flooders = [asyncio.create_task(batch_client()) for _ in range(flood)]
     await asyncio.sleep(8)  # let the flood fill the batch
-    before = _stats(url)
+    before = engine_stats(url)
+    started = time.monotonic()
     results = await _probes(url, keys["b"], probes, gap_s)
-    after = _stats(url)
+    # Stats come about once a second: wait (briefly, the flood paused) for a fresh one.
+    after = engine_stats(url, after=before["time"] + time.monotonic() - started)
     stop.set()
     await asyncio.gather(*flooders)
     span = max(after["time"] - before["time"], 1e-9)

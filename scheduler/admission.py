@@ -42,9 +42,10 @@ class Admission:
         for name, tenant in self.tenants.items():
             tenant.configure(self.limits(name), now)
 
-    def check(self, req: EngineRequest, tenant: Tenant, queue: WaitingQueue,
-              now: float) -> RequestOutput | None:
-        """A refusal naming the limit, or None (then the request's cost is taken)."""
+    def check(self, req: EngineRequest, tenant: Tenant, queue: WaitingQueue, now: float,
+              priority: int, timeout: float) -> RequestOutput | None:
+        """A refusal naming the limit, or None (then the request's cost is taken). priority
+        and timeout are the request's own or its tenant's defaults (0: no deadline)."""
         limits = tenant.cfg
         prompt = len(req.prompt_token_ids)
         drain = self.drained.rate(now)
@@ -93,9 +94,7 @@ class Admission:
         if wait := tenant.tokens.wait_for(prompt, now):
             return refuse("tokens_per_min", f"tenant {tenant.name!r} is over its "
                           f"tokens_per_min ({limits.tokens_per_min:g})", wait)
-        timeout = req.timeout_s or limits.timeout_s
         if timeout and drain:
-            priority = limits.priority if req.priority is None else req.priority
             ahead = len(queue) if self.cfg.policy != "priority" else \
                 sum(1 for s in queue if s.priority <= priority)
             if ahead / drain > timeout:

@@ -82,12 +82,14 @@ class Scheduler:
                                  f"request id {req.request_id} is already in use", status=400)
         now = self.clock()
         tenant = self.admission.tenant(req.tenant, now)
-        if (refusal := self.admission.check(req, tenant, self.waiting, now)) is not None:
+        # The tenant's defaults for what the request leaves out.
+        priority = tenant.cfg.priority if req.priority is None else req.priority
+        timeout = req.timeout_s or tenant.cfg.timeout_s
+        refusal = self.admission.check(req, tenant, self.waiting, now, priority, timeout)
+        if refusal is not None:
             return refusal
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
-        timeout = req.timeout_s or tenant.cfg.timeout_s
         deadline = req.arrival_time + timeout if timeout else None
-        priority = tenant.cfg.priority if req.priority is None else req.priority
         self._classes_seen[priority] = now
         if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
             self._classes_seen = {p: t for p, t in self._classes_seen.items()

@@ -134,7 +134,7 @@ def _live_parameters(url: str) -> dict | None:
     return reply.values if reply.ok else None
 
 
-def _engine_stats(url: str, after: float | None = None) -> dict | None:
+def engine_stats(url: str, after: float | None = None) -> dict | None:
     """A surge server's running totals (/stats), fresher than `after` if given; None from
     other servers."""
     import time
@@ -181,7 +181,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
-    before = _engine_stats(opts.url)
+    before = engine_stats(opts.url)
     with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
         if kind == "rate" or opts.workload == "trace":
             if opts.workload != "trace":
@@ -192,7 +192,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
                                                     opts.duration, done=bar.update))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
-    after = _engine_stats(opts.url, after=before["time"] + wall) if before else None
+    after = engine_stats(opts.url, after=before["time"] + wall) if before else None
     if before and after:
         result["server"] = _server_share(before, after)
     return result
