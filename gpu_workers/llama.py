@@ -35,8 +35,9 @@ class AttentionMetadata(Struct, kw_only=True):
     decode_context_lens: torch.Tensor  # [num_decode]
     decode_shared_blocks: int = 0  # leading blocks every decoding sequence has in common
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks]
-    prefill_query_lens: list[int]
-    prefill_context_lens: list[int]
+    prefill_query_start: torch.Tensor  # [num_prefill + 1], from 0 (offsets into the prefill part)
+    prefill_context_lens: torch.Tensor  # [num_prefill]
+    prefill_max_query_len: int
 
 
 class Attention(nn.Module):
@@ -55,10 +56,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         # Queries and keys are adjacent columns: rotate them in one pass.
-        qk = kernels.apply_rotary(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d),
-                                  *rope)
-        q, k = qk.split((heads, kv_heads), dim=1)
-        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        q, k, v = qkv.view(t, heads + 2 * kv_heads, d).split((heads, kv_heads, kv_heads), dim=1)
+        kernels.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode
@@ -69,8 +68,8 @@ class Attention(nn.Module):
                 self.scale, meta.decode_shared_blocks))
         if nd < t:
             parts.append(kernels.prefill_attention(
-                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,
-                meta.prefill_context_lens, self.scale))
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                meta.prefill_context_lens, meta.prefill_max_query_len, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(t, -1))
 

@@ -131,7 +131,8 @@ class ModelRunner:
             decode_context_lens=context_lens[:num_decode].to(dev),
             decode_shared_blocks=shared,
             prefill_block_tables=_padded([s.block_table for s in seqs[num_decode:]]).to(dev),
-            prefill_query_lens=lens[num_decode:],
-            prefill_context_lens=context_lens[num_decode:].tolist(),
+            prefill_query_start=torch.tensor([0, *lens[num_decode:]]).cumsum(0).to(dev),
+            prefill_context_lens=context_lens[num_decode:].to(dev),
+            prefill_max_query_len=max(lens[num_decode:], default=0),
         )
         return input_ids.to(dev), positions.to(dev), meta

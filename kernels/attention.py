@@ -85,19 +85,23 @@ def _cascade(
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int], scale: float,
+    block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
+    max_query_len: int, scale: float,
 ) -> torch.Tensor:
-    """Variable-length chunks q [sum(query_lens), H, D]; chunk i holds the last query_lens[i] of
-    its sequence's context_lens[i] tokens (earlier ones already cached), causal within the chunk."""
+    """Variable-length chunks q [T, H, D]: chunk i is q[query_start[i]:query_start[i + 1]], the
+    last tokens of its sequence's context_lens[i] (earlier ones already cached), causal within
+    the chunk. max_query_len bounds the chunks' lengths (it sizes the Triton grid)."""
     h = q.shape[1]
     kvh = k_cache.shape[2]
     out = torch.empty_like(q)
-    start = 0
-    for i, (n, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+    bounds = query_start.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        n = end - start
         nb = -(-ctx // k_cache.shape[1])
         k = _gather(k_cache, block_tables[i : i + 1, :nb])[:, :, :ctx]
         v = _gather(v_cache, block_tables[i : i + 1, :nb])[:, :, :ctx]
-        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if ctx == n:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
                                                enable_gqa=h != kvh)
@@ -107,6 +111,5 @@ def prefill_attention(
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=h != kvh)
-        out[start : start + n] = o[0].transpose(0, 1)
-        start += n
+        out[start:end] = o[0].transpose(0, 1)
     return out

@@ -44,8 +44,8 @@ def rotary_angles(positions: torch.Tensor, cache: torch.Tensor
     return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (queries and keys side by side, in one call) rotated by each token's
-    angles (see rotary_angles)."""
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] in place (queries and keys side by side, in one call) by each
+    token's angles (see rotary_angles)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

@@ -84,7 +84,8 @@ def test_prefill_attention_with_cached_context(block_size, h, kvh):
     query = [7, 3, 17, 1]  # the first chunk is a fresh prompt; the others follow cached tokens
     k_cache, v_cache, tables, ks, vs = _paged(context, block_size, kvh, 8, seed=1)
     q = torch.randn(sum(query), h, 8)
-    out = prefill_attention(q, k_cache, v_cache, tables, query, context, 0.25)
+    out = prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
+                            torch.tensor(context), max(query), 0.25)
     start = 0
     for i, (n, ctx) in enumerate(zip(query, context, strict=True)):
         want = _dense(q[start : start + n], ks[i], vs[i], torch.arange(ctx - n, ctx), 0.25)
