@@ -10,6 +10,10 @@ import torch
 from surge.model_files import ModelFiles, resolve_model
 
 torch.set_num_threads(os.cpu_count() or 1)
+# Without a GPU the Triton kernels run in Triton's interpreter, which is chosen when a kernel is
+# defined: set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
