@@ -8,6 +8,7 @@ from msgspec import Struct
 from torch import nn
 
 import kernels
+from gpu_workers.parallel import TensorParallel
 
 
 class LlamaConfig(Struct, kw_only=True):
@@ -41,11 +42,16 @@ class AttentionMetadata(Struct, kw_only=True):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """This rank's query heads and the KV heads they are grouped on; qkv_proj is column
+    parallel, o_proj row parallel (its partial sums reduced over the group)."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads = tp.split(cfg.num_heads, "attention heads")
+        self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)[1]
+        self.head_dim = cfg.head_dim
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
@@ -71,28 +77,32 @@ class Attention(nn.Module):
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                 meta.prefill_context_lens, meta.prefill_max_query_len, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """gate_up_proj column parallel, down_proj row parallel."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ff, bias=False)
+        self.down_proj = nn.Linear(ff, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -107,11 +117,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """The whole model on one rank; the embedding, norms and LM head are replicated."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TensorParallel()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from gpu_workers.llama import LlamaConfig, LlamaModel
+from gpu_workers.parallel import TensorParallel
 from surge.model_files import ModelFiles, gguf_metadata, hf_config
 
 _GGUF_NAMES = {
@@ -117,8 +118,9 @@ def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
-    """HF parameter name -> (our tensor, row offset into it); None for tensors we do not use."""
-    cfg = model.cfg
+    """HF parameter name -> (our tensor, row offset into it) on this rank; None for tensors we
+    do not use."""
+    cfg, tp = model.cfg, model.tp
     if name == "model.embed_tokens.weight":
         return model.embed.weight, 0
     if name == "model.norm.weight":
@@ -129,7 +131,9 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
     if not m:
         return None
     layer = model.layers[int(m.group(1))]
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q = tp.split(cfg.num_heads, "attention heads") * cfg.head_dim
+    kv = tp.kv_heads(cfg.num_kv_heads)[1] * cfg.head_dim
+    ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
     return {
         "input_layernorm.weight": (layer.input_norm, 0),
         "post_attention_layernorm.weight": (layer.post_attn_norm, 0),
@@ -138,13 +142,15 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
         "self_attn.v_proj.weight": (layer.attn.qkv_proj.weight, q + kv),
         "self_attn.o_proj.weight": (layer.attn.o_proj.weight, 0),
         "mlp.gate_proj.weight": (layer.mlp.gate_up_proj.weight, 0),
-        "mlp.up_proj.weight": (layer.mlp.gate_up_proj.weight, cfg.intermediate_size),
+        "mlp.up_proj.weight": (layer.mlp.gate_up_proj.weight, ff),
         "mlp.down_proj.weight": (layer.mlp.down_proj.weight, 0),
     }.get(m.group(2))
 
 
-def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    """Build the model on `device` in `dtype` and fill every weight from the files."""
+def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel | None = None) -> LlamaModel:
+    """Build the model (this rank's part of it) on `device` in `dtype` and fill every weight
+    from the files."""
     if files.gguf_file:
         cfg = config_from_gguf(gguf_metadata(files.path))
         import gguf
@@ -158,7 +164,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype) -> L
         cfg = config_from_hf(hf_config(files.folder))
         tensors = _safetensors(files.folder)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = LlamaModel(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     filled: set[str] = set()
     with torch.no_grad():
@@ -167,6 +173,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype) -> L
             if dest is None:
                 continue
             tensor, row = dest
+            w = model.tp.shard(name.split(".", 3)[-1], w, cfg)  # the per-layer suffix
             tensor[row : row + w.shape[0]].copy_(w)
             filled.add(name)
     if missing := _expected_names(cfg) - filled:

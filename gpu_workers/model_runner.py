@@ -19,8 +19,10 @@ from surge.protocol import (
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """This rank's cache: the KV heads its attention holds."""
     cfg = model.cfg
-    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv_heads = model.layers[0].attn.num_kv_heads
+    return (cfg.num_layers, 2, num_blocks, block_size, kv_heads, cfg.head_dim)
 
 
 def kv_block_bytes(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
@@ -76,13 +78,18 @@ class ModelRunner:
             self.last_sampled = {}
             self.forward_s = time.perf_counter() - started
             return [], []
-        logits = self.model.logits(hidden[ends[want].to(self.device)])
-        self.forward_s = time.perf_counter() - started
         picked = [seqs[i] for i in want]
-        batch = SamplingBatch.build(
-            picked, [s.start_pos + len(s.token_ids) for s in picked],
-            [self._history(s) for s in picked], logits.shape[1], self.device)
-        tokens_t, logprobs = sample(logits, batch)
+        if self.model.tp.rank == 0:
+            logits = self.model.logits(hidden[ends[want].to(self.device)])
+            self.forward_s = time.perf_counter() - started
+            batch = SamplingBatch.build(
+                picked, [s.start_pos + len(s.token_ids) for s in picked],
+                [self._history(s) for s in picked], logits.shape[1], self.device)
+            tokens_t, logprobs = sample(logits, batch)
+        else:  # rank 0 samples for the group
+            tokens_t, logprobs = torch.empty(len(picked), dtype=torch.int64,
+                                             device=self.device), []
+        self.model.tp.broadcast(tokens_t)
         tokens = tokens_t.tolist()
         # Back to plan order, which is how the scheduler reads them.
         self.last_sampled = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}

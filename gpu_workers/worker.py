@@ -12,9 +12,11 @@ import msgspec
 import torch
 import zmq
 
+from gpu_workers.devices import place
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import ModelRunner, kv_block_bytes
 from gpu_workers.packed import can_pack, pack_model
+from gpu_workers.parallel import TensorParallel, init_group
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SurgeConfig, parse_memory
@@ -24,12 +26,6 @@ from surge.protocol import PlanMessage, Shutdown, StepResult, WorkerFailed, Work
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.worker")
-
-
-def pick_device(cfg: ModelConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
 
 
 def _cpu_has_bf16() -> bool:
@@ -55,14 +51,17 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> None:
+def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
+               generation: int = 0) -> None:
+    """Rank `rank` of the tensor-parallel group (cfg.model resolved by devices.resolve); the
+    group's rendezvous file is new for each `generation` of workers."""
     child_setup(f"worker {rank}", cfg)
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
     results.connect(channels.results)
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
-        runner, ready = _load(cfg, rank)
+        runner, ready = _load(cfg, rank, f"{channels.runtime_dir}/tp-{generation}")
         device = runner.device
         ring.skip_to_end()
         results.send(encode(ready))
@@ -94,24 +93,29 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any) -> 
         ctx.destroy(linger=500)
 
 
-def _load(cfg: SurgeConfig, rank: int) -> tuple[ModelRunner, WorkerReady]:
-    device = pick_device(cfg.model)
+def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerReady]:
+    device = place(cfg.model, rank)
+    tp = TensorParallel(rank, cfg.model.tensor_parallel_size)
+    init_group(tp, device, store)
     dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
     started = time.monotonic()
-    model = load_model(files, device, dtype)
+    model = load_model(files, device, dtype, tp)
     packed = cfg.model.pack_weights and can_pack(device, dtype)
     if packed:
         pack_model(model)
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
+    if device.type == "cpu":
+        budget //= tp.size  # the ranks share one memory; on GPUs the budget is per device
     num_blocks = budget // kv_block_bytes(model, block_size, dtype)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
     runner = ModelRunner(model, num_blocks, block_size, device, dtype)
     runner.warm_up()
-    description = (f"{files.path} on {device} in {str(dtype).removeprefix('torch.')}"
+    split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
+    description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{' (oneDNN-packed weights)' if packed else ''}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")

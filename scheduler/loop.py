@@ -95,22 +95,23 @@ class SchedulerLoop:
         return any(isinstance(m, WorkerFailed) for m in self._early)
 
     def _recover(self, reason: WorkerLost) -> None:
-        """Wait for the replacement worker, then recompute every request from its tokens: the
-        clients see a pause, not an error."""
-        log.warning("%s; waiting for a new worker, then recomputing %d requests", reason,
+        """Wait for the replacement workers (a whole tensor-parallel group), then recompute
+        every request from its tokens: the clients see a pause, not an error."""
+        log.warning("%s; waiting for new workers, then recomputing %d requests", reason,
                     len(self.scheduler.requests) if self.scheduler else 0)
         assert self.scheduler is not None
         self.scheduler.restart()
         self._early = deque(m for m in self._early if not isinstance(m, StepResult))
-        while True:
+        back: set[int] = set()
+        while len(back) < self.num_workers:
             try:
                 msg = self._worker_message()
             except WorkerLost as again:
-                log.warning("%s", again)
+                log.warning("%s", again)  # the rest of a broken group failing too
                 continue
             if isinstance(msg, WorkerReady):
                 log.info("worker %d is back: %s", msg.rank, msg.description)
-                return
+                back.add(msg.rank)
 
     def wait_for_workers(self) -> EngineReady:
         readies: list[WorkerReady] = []
@@ -330,9 +331,9 @@ def capacity_report(num_blocks: int, block_size: int) -> str:
             f"{num_blocks * block_size} tokens; concurrent sequences at full length: {fits}")
 
 
-def run_scheduler(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
+def run_scheduler(cfg: SurgeConfig, channels: Channels, num_workers: int, status: Any) -> None:
     child_setup("scheduler", cfg)
-    loop = SchedulerLoop(cfg, channels, num_workers=1)
+    loop = SchedulerLoop(cfg, channels, num_workers)
     try:
         ready = loop.wait_for_workers()
         status.put(("scheduler", capacity_report(ready.num_blocks, ready.block_size)))

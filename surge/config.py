@@ -28,6 +28,14 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["auto", "float32", "bfloat16", "float16"],
         Meta(description="serving dtype; auto picks bfloat16 where the hardware has it"),
     ] = "auto"
+    tensor_parallel_size: Annotated[
+        int, Meta(ge=0, description="ranks the model is split over, one process per GPU "
+                  "(0: one per visible GPU; 1 on the CPU, where gloo joins any number)")
+    ] = 0
+    devices: Annotated[
+        str | None, Meta(description="comma-separated CUDA devices for the ranks, as "
+                         "CUDA_VISIBLE_DEVICES names them (indices, GPU-... or MIG-... UUIDs)")
+    ] = None
     pack_weights: Annotated[
         bool, Meta(description="on the CPU in bfloat16, run linear layers on weights reordered "
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head)")
@@ -86,8 +94,8 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = False
     kv_cache_memory: Annotated[
         str,
-        Meta(description="KV cache budget: bytes with a unit (e.g. 96MiB, 2GiB) "
-             "or a fraction of free device memory (e.g. 0.8)"),
+        Meta(description="KV cache budget per GPU (on the CPU, for all ranks together): bytes "
+             "with a unit (e.g. 96MiB, 2GiB) or a fraction of free device memory (e.g. 0.8)"),
     ] = "1GiB"
     policy: Annotated[
         Literal["fcfs", "priority", "sjf"],

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from gpu_workers.devices import resolve as resolve_devices
 from gpu_workers.worker import run_worker
 from scheduler.admin import flatten
 from shm.ring import RingBuffer
@@ -32,7 +33,11 @@ _RESTART_WINDOW_S = 60.0
 
 class Supervisor:
     def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
+        # Devices and the number of ranks are settled here, before any worker touches CUDA.
+        cfg = msgspec.structs.replace(cfg, model=resolve_devices(cfg.model))
         self.cfg = cfg
+        self.num_workers = cfg.model.tensor_parallel_size
+        self.generation = 0  # of workers: a tensor-parallel group is replaced as a whole
         self.flags = flags or {}  # to rebuild the config on reload
         self.reload_requested = False
         self.ctx = mp.get_context("spawn")
@@ -66,10 +71,28 @@ class Supervisor:
         from server.main import run_frontend
 
         # The supervisor owns the shared-memory segment, so it is removed however children end.
-        self.ring = RingBuffer.create(self.channels.plan_ring, num_readers=1)
-        self._start("worker 0", run_worker, 0, self.status)
-        self._start("scheduler", run_scheduler, self.status)
+        self.ring = RingBuffer.create(self.channels.plan_ring, num_readers=self.num_workers)
+        self._start_workers()
+        self._start("scheduler", run_scheduler, self.num_workers, self.status)
         self._start("frontend", run_frontend, self.status)
+
+    def _start_workers(self) -> None:
+        for rank in range(self.num_workers):
+            self._start(f"worker {rank}", run_worker, rank, self.status, self.generation)
+
+    def _stop_workers(self) -> None:
+        """The workers left of a broken group: they would wait on their dead peer for ever."""
+        from prometheus_client import multiprocess
+
+        for proc in [p for p in self.procs if p.name.startswith("worker")]:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            multiprocess.mark_process_dead(proc.pid)  # its live gauges no longer count
+            self.procs.remove(proc)
 
     def wait_ready(self) -> bool:
         """Wait for every child's ready report; False if one died or a stop was asked first."""
@@ -123,15 +146,14 @@ class Supervisor:
                 self._wait_for_answers()
                 return 1
             self.restarts.append(now)
-            log.warning("%s exited (code %s); starting a new one", dead.name, dead.exitcode)
+            others = " and the rest of its group" if self.num_workers > 1 else ""
+            log.warning("%s exited (code %s); starting new workers%s", dead.name,
+                        dead.exitcode, others)
             notify(f"STATUS=replacing {dead.name} (exit code {dead.exitcode})")
             self._tell_scheduler(dead, fatal=False)
-            rank = int(dead.name.split()[-1])
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(dead.pid)  # its live gauges no longer count
-            self.procs.remove(dead)
-            self._start(dead.name, run_worker, rank, self.status)
+            self._stop_workers()
+            self.generation += 1
+            self._start_workers()
         return 0
 
     def reload(self) -> None:

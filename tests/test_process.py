@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from gpu_workers.devices import resolve as resolve_devices
 from gpu_workers.worker import run_worker
 from scheduler.loop import run_scheduler
 from shm.ring import RingBuffer
@@ -41,7 +42,8 @@ class Engine:
     def __init__(self, model: str, **scheduler: object) -> None:
         env = {"SURGE_MODEL": model, "SURGE_DTYPE": "float32", "SURGE_KV_CACHE_MEMORY": "8MiB"}
         env.update({f"SURGE_{k.upper()}": str(v) for k, v in scheduler.items()})
-        self.cfg = load_config({}, env)
+        cfg = load_config({}, env)
+        self.cfg = msgspec.structs.replace(cfg, model=resolve_devices(cfg.model))
         self.channels = Channels.create()
         self.ring = RingBuffer.create(self.channels.plan_ring)
         self.zmq = zmq.Context()
@@ -52,7 +54,7 @@ class Engine:
         ctx = mp.get_context("spawn")
         status = ctx.Queue()
         self.procs = [ctx.Process(target=run_worker, args=(self.cfg, self.channels, 0, status)),
-                      ctx.Process(target=run_scheduler, args=(self.cfg, self.channels, status))]
+                      ctx.Process(target=run_scheduler, args=(self.cfg, self.channels, 1, status))]
         for p in self.procs:
             p.start()
         self.decoder = msgspec.msgpack.Decoder(SchedulerMessage)
