@@ -1,14 +1,20 @@
-"""ModelRunner.run(): one step plan in, one sampled token per finished chunk out."""
+"""ModelRunner: a step plan is prepared (inputs packed and sent to the device), launched (model
+forward and sampling queued) and finished (the sampled ids read back). The worker prepares step
+N+1 while step N computes; run() does the three in a row."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import numpy as np
 import torch
+from msgspec import Struct
 
+from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import SamplingBatch, sample
+from shm.staging import Staging
 from surge.protocol import (
     PREVIOUS_TOKEN,
     SamplingParams,
@@ -30,22 +36,61 @@ def kv_block_bytes(model: LlamaModel, block_size: int, dtype: torch.dtype) -> in
     return int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
 
 
-def _padded(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(
-        len(tables), width)
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), dtype=np.int64)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return out
+
+
+class Step(Struct, kw_only=True):
+    """A plan whose inputs are on their way to the device (views into the staging buffer)."""
+
+    plan: StepPlan
+    slot: int
+    seqs: list[ScheduledSeq]  # decode rows first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    # Tokens of the previous step, not known when this plan was made: input_ids[patch_at]
+    # takes the previous step's sampled[patch_from] on the device.
+    patch_at: torch.Tensor
+    patch_from: torch.Tensor
+    logit_rows: torch.Tensor  # the hidden state each sampled token comes from
+    picked: list[ScheduledSeq]  # the rows that sample, in logit_rows order
+    sampling: SamplingBatch | None
+
+
+class Launched(Struct, kw_only=True):
+    step: Step
+    tokens: torch.Tensor | None  # host copy of the sampled ids (being filled on CUDA)
+    ready: torch.cuda.Event | None
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, *, graphs_max_batch: int = 0,
+                 capture_graphs: bool = False) -> None:
+        """graphs_max_batch > 0: decode-only batches up to that size take the padded graph
+        path (captured as CUDA graphs when capture_graphs)."""
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size), dtype=dtype,
-                                    device=device)
-        # What the last step sampled, for plans made before it finished (PREVIOUS_TOKEN).
+        # One block past the scheduler's: where graph padding rows write.
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks + 1, block_size),
+                                    dtype=dtype, device=device)
+        self.staging = Staging(device)
+        self.graphs = (DecodeGraphs(model, self.kv_cache, block_size, num_blocks,
+                                    graphs_max_batch, capture_graphs)
+                       if graphs_max_batch else None)
+        # The last step sampled: on the device for the next step's inputs, on the host (once
+        # finished) for penalties; and which row each sequence's token is in.
+        self.sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self.sampled_rows: dict[int, int] = {}
         self.last_sampled: dict[int, int] = {}
+        self.host_tokens = torch.empty(1 << 16, dtype=torch.int64,
+                                       pin_memory=device.type == "cuda")
         # The last step's model forward (with the LM head), without input building and sampling;
         # on CUDA only the launches, as nothing waits for the device here.
         self.forward_s = 0.0
@@ -61,40 +106,116 @@ class ModelRunner:
         self.run(StepPlan(-2, [prefill]))
         decode = ScheduledSeq(0, [PREVIOUS_TOKEN], n, table, True, params, 0)
         self.run(StepPlan(-1, [decode]))
-        self.last_sampled = {}
+        self.sampled_rows, self.last_sampled = {}, {}
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled token of each sequence with sample=True, in plan order, and its
         logprobs where asked for (an empty list when nobody asked)."""
+        return self.finish(self.launch(self.prepare(plan)))
+
+    def prepare(self, plan: StepPlan) -> Step:
+        """Pack the plan's inputs and start their copy to the device."""
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
-        input_ids, positions, meta = self._prepare(seqs)
-        started = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)
-        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        bs, stage = self.block_size, self.staging
+        slot = stage.begin()
+        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
+        nd = int((lens == 1).sum())
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, len(seqs))
+        ids = np.fromiter((t for s in seqs for t in s.token_ids), np.int64, int(lens.sum()))
+        seq_of = np.repeat(np.arange(len(seqs)), lens)
+        patch_at = np.flatnonzero(ids == PREVIOUS_TOKEN)
+        patch_from = [self.sampled_rows[seqs[i].seq_id] for i in seq_of[patch_at]]
+        ids[patch_at] = 0
+        firsts = np.cumsum(lens) - lens
+        positions = starts[seq_of] + np.arange(len(ids)) - firsts[seq_of]
+        tables = [s.block_table for s in seqs]
+        all_tables = _padded(tables)
+        slots = all_tables[seq_of, positions // bs] * bs + positions % bs
+        context = starts + lens
+        shared = 0
+        if self.device.type == "cpu" and nd > 1:  # cascade attention is CPU-only
+            # Blocks at the head of every decoding sequence's table (a shared prompt), full in
+            # each, with at least one token of its own left after them.
+            shared = min(len(os.path.commonprefix(tables[:nd])),
+                         (int(context[:nd].min()) - 1) // bs)
+        prefill_lens = lens[nd:]
+        meta = AttentionMetadata(
+            slot_mapping=stage.add(slots),
+            num_decode=nd,
+            # Padded per group: decode attention reads every listed block, so keep it narrow.
+            decode_block_tables=stage.add(_padded(tables[:nd])),
+            decode_context_lens=stage.add(context[:nd]),
+            decode_shared_blocks=shared,
+            prefill_block_tables=stage.add(_padded(tables[nd:])),
+            prefill_query_start=stage.add(np.concatenate([[0], np.cumsum(prefill_lens)])),
+            prefill_context_lens=stage.add(context[nd:]),
+            prefill_max_query_len=int(prefill_lens.max(initial=0)),
+        )
         want = [i for i, s in enumerate(seqs) if s.sample]
-        if not want:
-            self.last_sampled = {}
-            self.forward_s = time.perf_counter() - started
-            return [], []
         picked = [seqs[i] for i in want]
-        if self.model.tp.rank == 0:
-            logits = self.model.logits(hidden[ends[want].to(self.device)])
+        self.sampled_rows = {s.seq_id: row for row, s in enumerate(picked)}
+        sampling = None
+        if picked and self.model.tp.rank == 0:
+            sampling = SamplingBatch.build(picked, (context[want]).tolist(),
+                                           self.model.cfg.vocab_size, self.device, stage.add)
+        step = Step(plan=plan, slot=slot, seqs=seqs, input_ids=stage.add(ids),
+                    positions=stage.add(positions), meta=meta, patch_at=stage.add(patch_at),
+                    patch_from=stage.add(patch_from), logit_rows=stage.add(
+                        (np.cumsum(lens) - 1)[want]), picked=picked, sampling=sampling)
+        stage.send()
+        return step
+
+    @torch.inference_mode()
+    def launch(self, step: Step) -> Launched:
+        """Queue the forward and the sampling; start reading the sampled ids back. Call after
+        the previous step's finish() (penalties read the tokens it sampled)."""
+        self.staging.wait(step.slot)
+        started = time.perf_counter()
+        if len(step.patch_at):
+            step.input_ids[step.patch_at] = self.sampled[step.patch_from]
+        meta = step.meta
+        if (self.graphs is not None and meta.num_decode == len(step.seqs)
+                and self.graphs.fits(*meta.decode_block_tables.shape)):
+            hidden = self.graphs.run(step.input_ids, step.positions, meta.slot_mapping,
+                                     meta.decode_block_tables, meta.decode_context_lens)
+        else:
+            hidden = self.model(step.input_ids, step.positions, meta, self.kv_cache)
+        if not step.picked:
+            self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
-            batch = SamplingBatch.build(
-                picked, [s.start_pos + len(s.token_ids) for s in picked],
-                [self._history(s) for s in picked], logits.shape[1], self.device)
-            tokens_t, logprobs = sample(logits, batch)
-        else:  # rank 0 samples for the group
-            tokens_t, logprobs = torch.empty(len(picked), dtype=torch.int64,
-                                             device=self.device), []
-        self.model.tp.broadcast(tokens_t)
-        tokens = tokens_t.tolist()
+            return Launched(step=step, tokens=None, ready=None, logprobs=[])
+        logprobs: list[TokenLogprobs | None] = []
+        if step.sampling is not None:  # rank 0 samples for the group
+            logits = self.model.logits(hidden[step.logit_rows])
+            self.forward_s = time.perf_counter() - started
+            step.sampling.add_penalties(step.picked, [self._history(s) for s in step.picked],
+                                        logits.shape[1], self.device)
+            tokens, logprobs = sample(logits, step.sampling)
+        else:
+            tokens = torch.empty(len(step.picked), dtype=torch.int64, device=self.device)
+        self.model.tp.broadcast(tokens)
+        self.sampled = tokens
+        self.staging.release(step.slot)
+        if self.device.type != "cuda":
+            return Launched(step=step, tokens=tokens, ready=None, logprobs=logprobs)
+        host = self.host_tokens[: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(step=step, tokens=host, ready=ready, logprobs=logprobs)
+
+    def finish(self, launched: Launched) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Wait for the sampled ids; each sampling sequence's token in plan order."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        step = launched.step
+        tokens = [] if launched.tokens is None else launched.tokens.tolist()
+        self.last_sampled = {s.seq_id: t for s, t in zip(step.picked, tokens, strict=True)}
         # Back to plan order, which is how the scheduler reads them.
-        self.last_sampled = {s.seq_id: t for s, t in zip(picked, tokens, strict=True)}
-        order = {s.seq_id: i for i, s in enumerate(picked)}
-        in_plan = [order[s.seq_id] for s in plan.seqs if s.sample]
+        order = {s.seq_id: i for i, s in enumerate(step.picked)}
+        in_plan = [order[s.seq_id] for s in step.plan.seqs if s.sample]
+        logprobs = launched.logprobs
         return [tokens[i] for i in in_plan], [logprobs[i] for i in in_plan] if logprobs else []
 
     def _history(self, s: ScheduledSeq) -> list[int] | None:
@@ -103,43 +224,3 @@ class ModelRunner:
             return None
         fed = [t if t != PREVIOUS_TOKEN else self.last_sampled[s.seq_id] for t in s.token_ids]
         return s.history[: s.start_pos] + fed
-
-    def _prepare(self, seqs: list[ScheduledSeq]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        lens = [len(s.token_ids) for s in seqs]
-        num_decode = sum(1 for n in lens if n == 1)
-        last = self.last_sampled
-        input_ids = torch.tensor(
-            [t if t != PREVIOUS_TOKEN else last[s.seq_id] for s in seqs for t in s.token_ids],
-            dtype=torch.int64)
-        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
-        counts = torch.tensor(lens, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), counts)
-        offsets = torch.arange(len(input_ids)) - torch.repeat_interleave(counts.cumsum(0) - counts,
-                                                                         counts)
-        positions = starts[seq_index] + offsets
-        tables = _padded([s.block_table for s in seqs])
-        slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
-        context_lens = starts + counts
-        decode_tables = [s.block_table for s in seqs[:num_decode]]
-        shared = 0
-        if self.device.type == "cpu" and num_decode > 1:  # cascade attention is CPU-only
-            # Blocks at the head of every decoding sequence's table (a shared prompt), full in
-            # each, with at least one token of its own left after them.
-            shared = min(len(os.path.commonprefix(decode_tables)),
-                         (int(context_lens[:num_decode].min()) - 1) // bs)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            num_decode=num_decode,
-            # Padded per group: decode attention reads every listed block, so keep it narrow.
-            decode_block_tables=_padded(decode_tables).to(dev),
-            decode_context_lens=context_lens[:num_decode].to(dev),
-            decode_shared_blocks=shared,
-            prefill_block_tables=_padded([s.block_table for s in seqs[num_decode:]]).to(dev),
-            prefill_query_start=torch.tensor([0, *lens[num_decode:]]).cumsum(0).to(dev),
-            prefill_context_lens=context_lens[num_decode:].to(dev),
-            prefill_max_query_len=max(lens[num_decode:], default=0),
-        )
-        return input_ids.to(dev), positions.to(dev), meta

@@ -8,6 +8,8 @@ Each stage runs only when some row of the batch asks for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from msgspec import Struct
 
@@ -38,8 +40,12 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return ((bits >> 9).float() + 0.5) / float(1 << 23)
 
 
+Column = Callable[[list, torch.dtype], torch.Tensor]
+
+
 class SamplingBatch(Struct, kw_only=True):
-    """The sampling parameters of the rows of one step, as tensors."""
+    """The sampling parameters of the rows of one step, as tensors, with what the host already
+    knows of them (so no stage has to ask the device whether it is needed)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
@@ -47,6 +53,10 @@ class SamplingBatch(Struct, kw_only=True):
     min_p: torch.Tensor
     seeds: torch.Tensor
     positions: torch.Tensor  # the position of the token being sampled
+    any_random: bool  # some row samples (temperature > 0)
+    max_top_k: int  # the largest top_k asked for (0: none)
+    any_top_p: bool
+    any_min_p: bool
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
@@ -56,45 +66,30 @@ class SamplingBatch(Struct, kw_only=True):
     logprobs: list[int | None] = []
 
     @classmethod
-    def build(cls, seqs: list[ScheduledSeq], positions: list[int],
-              histories: list[list[int] | None], vocab: int,
-              device: torch.device) -> SamplingBatch:
-        """seqs are the rows that sample; histories[i] is every token of row i so far (only
-        for rows with penalties)."""
+    def build(cls, seqs: list[ScheduledSeq], positions: list[int], vocab: int,
+              device: torch.device, column: Column | None = None) -> SamplingBatch:
+        """seqs are the rows that sample. column(values, dtype) puts a list on the device
+        (the worker's staging buffers; by default a new tensor). Penalties come later, from
+        the rows' histories (add_penalties)."""
+        column = column or (lambda values, dtype: torch.tensor(values, dtype=dtype,
+                                                               device=device))
         params = [s.sampling for s in seqs]
-
-        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        # Below 1e-5 dividing by the temperature overflows: that is greedy anyway.
+        temperature = [p.temperature if p.temperature >= 1e-5 else 0.0 for p in params]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
         batch = cls(
-            # Below 1e-5 dividing by the temperature overflows: that is greedy anyway.
-            temperature=column([p.temperature if p.temperature >= 1e-5 else 0.0
-                                for p in params]),
-            top_p=column([p.top_p for p in params]),
-            top_k=column([p.top_k for p in params], torch.int64),
-            min_p=column([p.min_p for p in params]),
+            temperature=column(temperature, torch.float32),
+            top_p=column([p.top_p for p in params], torch.float32),
+            top_k=column(top_k, torch.int64),
+            min_p=column([p.min_p for p in params], torch.float32),
             seeds=column([s.seed for s in seqs], torch.int64),
             positions=column(positions, torch.int64),
+            any_random=any(t > 0 for t in temperature),
+            max_top_k=max(top_k, default=0),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
             logprobs=[p.logprobs for p in params],
         )
-        if any(p.uses_penalties for p in params):
-            batch.presence = column([p.presence_penalty for p in params])
-            batch.frequency = column([p.frequency_penalty for p in params])
-            batch.repetition = column([p.repetition_penalty for p in params])
-            # Flat (row, token) lists, then one scatter each for the whole batch.
-            seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
-            for i, (s, toks) in enumerate(zip(seqs, histories, strict=True)):
-                if toks is not None:
-                    seen_rows += [i] * len(toks)
-                    seen_ids += toks
-                    out_rows += [i] * (len(toks) - s.num_prompt_tokens)
-                    out_ids += toks[s.num_prompt_tokens :]
-            counts = torch.zeros(len(seqs), vocab, device=device)
-            counts.index_put_((column(out_rows, torch.int64), column(out_ids, torch.int64)),
-                              torch.ones(len(out_ids), device=device), accumulate=True)
-            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
-            seen[column(seen_rows, torch.int64), column(seen_ids, torch.int64)] = True
-            batch.output_counts, batch.seen = counts, seen
         bias_rows, bias_ids, bias_values = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
             bias_rows += [i] * len(p.logit_bias)
@@ -107,9 +102,37 @@ class SamplingBatch(Struct, kw_only=True):
         if bias_rows:
             bias = torch.zeros(len(seqs), vocab, device=device)
             bias.index_put_((column(bias_rows, torch.int64), column(bias_ids, torch.int64)),
-                            column(bias_values), accumulate=True)
+                            column(bias_values, torch.float32), accumulate=True)
             batch.bias = bias
         return batch
+
+    def add_penalties(self, seqs: list[ScheduledSeq], histories: list[list[int] | None],
+                      vocab: int, device: torch.device) -> None:
+        """histories[i]: every token of row i so far (None for rows without penalties)."""
+        params = [s.sampling for s in seqs]
+        if not any(p.uses_penalties for p in params):
+            return
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.presence = column([p.presence_penalty for p in params])
+        self.frequency = column([p.frequency_penalty for p in params])
+        self.repetition = column([p.repetition_penalty for p in params])
+        # Flat (row, token) lists, then one scatter each for the whole batch.
+        seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
+        for i, (s, toks) in enumerate(zip(seqs, histories, strict=True)):
+            if toks is not None:
+                seen_rows += [i] * len(toks)
+                seen_ids += toks
+                out_rows += [i] * (len(toks) - s.num_prompt_tokens)
+                out_ids += toks[s.num_prompt_tokens :]
+        counts = torch.zeros(len(seqs), vocab, device=device)
+        counts.index_put_((column(out_rows, torch.int64), column(out_ids, torch.int64)),
+                          torch.ones(len(out_ids), device=device), accumulate=True)
+        seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+        seen[column(seen_rows, torch.int64), column(seen_ids, torch.int64)] = True
+        self.output_counts, self.seen = counts, seen
 
 
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -128,19 +151,19 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with -inf outside each row's top-k / top-p / min-p set."""
     logits = logits / torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
-    vocab = logits.shape[1]
-    if bool((b.top_k > 0).any()):
-        k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), vocab)
-        top = logits.topk(int(k.max()), dim=-1).values
-        kth = top.gather(1, (k - 1)[:, None])
+    if b.max_top_k:
+        # Only as many top values as the largest top_k; rows without top_k keep every token.
+        top = logits.topk(b.max_top_k, dim=-1).values
+        kth = top.gather(1, (b.top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(b.top_k[:, None] > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if bool((b.top_p < 1).any()):
+    if b.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens before it already reach top_p (the first always stays).
         drop = (probs.cumsum(dim=-1) - probs >= b.top_p[:, None]) & (b.top_p < 1)[:, None]
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if bool((b.min_p > 0).any()):
+    if b.any_min_p:
         probs = logits.softmax(dim=-1)
         floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
@@ -170,7 +193,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch
     """logits [B, V] float32 -> (token ids [B], logprobs per row where asked, else [])."""
     processed = _apply_penalties(logits, b)
     greedy = processed.argmax(dim=-1)
-    if bool((b.temperature > 0).any()):
+    if b.any_random:
         probs = _filter(processed, b).softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
         race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))

@@ -12,9 +12,10 @@ import msgspec
 import torch
 import zmq
 
+import kernels
 from gpu_workers.devices import place
 from gpu_workers.loader import load_model
-from gpu_workers.model_runner import ModelRunner, kv_block_bytes
+from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
 from shm.ring import RingBuffer, RingClosed
@@ -68,20 +69,38 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         status.put((f"worker {rank}", ready.description))
         decoder = msgspec.msgpack.Decoder(PlanMessage)
         idle_since = time.perf_counter()
-        while True:
-            msg = decoder.decode(ring.get())
-            if isinstance(msg, Shutdown):
-                break
-            started = time.perf_counter()
-            tokens, logprobs = runner.run(msg)
+        pending: tuple[Launched, float, float] | None = None  # launched, started, idle before
+
+        def finish() -> None:
+            nonlocal pending, idle_since
+            assert pending is not None
+            launched, started, wait_s = pending
+            tokens, logprobs = runner.finish(launched)
             metrics.step_time.labels(str(rank)).observe(time.perf_counter() - started)
             if device.type == "cuda":
                 metrics.device_memory.labels(str(rank)).set(torch.cuda.memory_allocated(device))
             if rank == 0:
                 results.send(encode(StepResult(
-                    msg.step_id, tokens, logprobs, compute_s=time.perf_counter() - started,
-                    forward_s=runner.forward_s, wait_s=started - idle_since)))
+                    launched.step.plan.step_id, tokens, logprobs,
+                    compute_s=time.perf_counter() - started, forward_s=runner.forward_s,
+                    wait_s=wait_s)))
+            pending = None
             idle_since = time.perf_counter()
+
+        while True:
+            if pending is not None and not ring.poll():
+                finish()  # nothing to prepare meanwhile
+                continue
+            msg = decoder.decode(ring.get())
+            if isinstance(msg, Shutdown):
+                break
+            started = time.perf_counter()
+            wait_s = started - idle_since if pending is None else 0.0
+            # Step N+1's inputs are packed and sent while step N computes.
+            step = runner.prepare(msg)
+            if pending is not None:
+                finish()
+            pending = (runner.launch(step), started, wait_s)
     except (SystemExit, RingClosed):
         pass
     except BaseException as e:
@@ -112,7 +131,11 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
-    runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+    cuda = device.type == "cuda"
+    kernels.use_triton(cuda)
+    graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
+    runner = ModelRunner(model, num_blocks, block_size, device, dtype,
+                         graphs_max_batch=graphs, capture_graphs=cuda)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"

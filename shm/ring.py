@@ -115,6 +115,11 @@ class RingBuffer:
             if not more:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def poll(self) -> bool:
+        """Whether a message is waiting for this reader (get() would not wait)."""
+        assert self.reader is not None, "the writer cannot read"
+        return self._counter(0) > self._counter(1 + self.reader)
+
     def skip_to_end(self) -> None:
         """A reader replacing a dead one: ignore everything written before it attached (the
         writer re-sends what still matters, and writes nothing until this reader is ready)."""

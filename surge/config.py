@@ -36,6 +36,11 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         str | None, Meta(description="comma-separated CUDA devices for the ranks, as "
                          "CUDA_VISIBLE_DEVICES names them (indices, GPU-... or MIG-... UUIDs)")
     ] = None
+    cuda_graph_max_batch: Annotated[
+        int, Meta(ge=0, description="on CUDA, decode-only steps up to this many sequences "
+                  "replay CUDA graphs captured at start (padded to the next captured size); "
+                  "0 runs every step eagerly")
+    ] = 256
     pack_weights: Annotated[
         bool, Meta(description="on the CPU in bfloat16, run linear layers on weights reordered "
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head)")

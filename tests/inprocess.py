@@ -17,12 +17,12 @@ class InProcessEngine:
     """depth=2 plans each step before the previous one's tokens are read back, as the
     scheduler loop does with async_scheduling."""
 
-    def __init__(self, model, num_blocks: int = 512, depth: int = 1,
+    def __init__(self, model, num_blocks: int = 512, depth: int = 1, graphs_max_batch: int = 0,
                  **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
         self.scheduler = Scheduler(cfg, num_blocks)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
-                                  model.embed.weight.dtype)
+                                  model.embed.weight.dtype, graphs_max_batch=graphs_max_batch)
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
 

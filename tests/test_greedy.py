@@ -77,9 +77,9 @@ def test_prefix_cache_hits_keep_reference_tokens(engine_model, prompts, expected
         engine.add(name, ids, 16)
     # Decoding together over the same cached blocks: cascade attention reads them once.
     shared: list[int] = []
-    prepare = engine.runner._prepare
-    engine.runner._prepare = lambda seqs: (out := prepare(seqs),
-                                           shared.append(out[2].decode_shared_blocks))[0]
+    prepare = engine.runner.prepare
+    engine.runner.prepare = lambda plan: (step := prepare(plan),
+                                          shared.append(step.meta.decode_shared_blocks))[0]
     got = engine.run()
     assert max(shared) >= 896 // 16, shared
     blocks = engine.scheduler.blocks

@@ -18,8 +18,9 @@ def _batch(params: list[SamplingParams], histories=None, positions=None, seeds=N
                          sampling=p, seed=(seeds or list(range(n)))[i],
                          ban_stop_tokens=bool(ban and ban[i]), num_prompt_tokens=2)
             for i, p in enumerate(params)]
-    return SamplingBatch.build(seqs, positions or [0] * n, histories or [None] * n, V,
-                               torch.device("cpu"))
+    batch = SamplingBatch.build(seqs, positions or [0] * n, V, torch.device("cpu"))
+    batch.add_penalties(seqs, histories or [None] * n, V, torch.device("cpu"))
+    return batch
 
 
 def test_temperature_zero_is_argmax():
