@@ -138,6 +138,9 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
                          graphs_max_batch=graphs, capture_graphs=cuda)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
+    if cuda:
+        split += (f", Triton kernels, CUDA graphs for decode batches up to {graphs}" if graphs
+                  else ", Triton kernels, no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{' (oneDNN-packed weights)' if packed else ''}, "
                    f"{torch.get_num_threads()} threads, loaded in "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import time
 
 import pytest
 import torch
@@ -112,23 +113,62 @@ def _greedy_over_http(url: str, prompts: list[str]) -> list[str]:
         temperature=0).choices[0].message.content for p in prompts]
 
 
-@pytest.mark.slow
-def test_surge_serve_split_three_ways_matches_one_rank():
-    """The default model's 9 query and 3 KV heads over 3 CPU ranks (gloo), through the real
-    server and the openai client. float32: in bfloat16 the all-reduce rounds the partial sums
-    differently from one matrix product, so long generations may part after a few dozen tokens."""
+@pytest.fixture(scope="module")
+def split_server(tmp_path_factory):
+    """surge serve with the default model's 9 query and 3 KV heads over 3 CPU ranks (gloo)."""
     from tests.server import ServerProcess
 
-    prompts = ["Write a haiku about the sea.", "What is 17 times 23?",
-               "List three primary colors.", "Explain TCP in one sentence."]
-    texts = {}
-    for size in (1, 3):
-        server = ServerProcess("--device", "cpu", "--tensor-parallel-size", str(size))
-        try:
-            server.wait_ready(300)
-            texts[size] = _greedy_over_http(server.url, prompts)
-            if size == 3:
-                assert "rank 2 of 3" in server.output()
-        finally:
-            assert server.stop() == 0
-    assert texts[3] == texts[1]
+    runtime = tmp_path_factory.mktemp("runtime")
+    server = ServerProcess("--device", "cpu", "--tensor-parallel-size", "3",
+                           env={"XDG_RUNTIME_DIR": str(runtime)})
+    try:
+        yield server.wait_ready(300)
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+_PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23?",
+            "List three primary colors.", "Explain TCP in one sentence."]
+
+
+@pytest.mark.slow
+def test_surge_serve_split_three_ways_matches_one_rank(split_server):
+    """Through the real server and the openai client. float32: in bfloat16 the all-reduce rounds
+    the partial sums differently from one matrix product, so long generations may part."""
+    from tests.server import ServerProcess
+
+    assert "rank 2 of 3" in split_server.output()
+    one = ServerProcess("--device", "cpu", "--tensor-parallel-size", "1")
+    try:
+        expected = _greedy_over_http(one.wait_ready(300).url, _PROMPTS)
+    finally:
+        assert one.stop() == 0
+    assert _greedy_over_http(split_server.url, _PROMPTS) == expected
+
+
+@pytest.mark.slow
+def test_killed_rank_replaces_the_group_and_streams_finish_identically(split_server):
+    """kill -9 rank 1 mid-stream: the other ranks are stopped, a new group of three starts, and
+    every stream ends with the text of an undisturbed run."""
+    import os
+    import signal
+    import threading
+
+    from tests.test_shutdown import _descendants, _streams, _title
+
+    def ranks() -> dict[str, int]:
+        return {_title(p): p for p in _descendants(split_server.proc.pid)
+                if _title(p).startswith("surge: worker")}
+
+    undisturbed = _streams(split_server, 6, 24)
+    before = ranks()
+    assert len(before) == 3
+    killer = threading.Timer(2.0, os.kill, (before["surge: worker 1"], signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    disturbed = _streams(split_server, 6, 24)
+    assert time.monotonic() - started > 2.0  # the kill came while the streams ran
+    killer.join()
+    assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
+    after = ranks()
+    assert len(after) == 3 and not set(after.values()) & set(before.values())
