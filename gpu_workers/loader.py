@@ -84,7 +84,19 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
         w.shape)
 
 
-def _gguf_tensors(path: str, cfg: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+Blocks = tuple[torch.Tensor, torch.Tensor]  # Q4_1 steps and minimums [rows, columns / 32]
+
+
+def _q4_1_blocks(raw: np.ndarray, rows: int) -> Blocks:
+    """A Q4_1 tensor's per-block (step d, minimum m), its values being d * q + m, q in 0..15."""
+    blocks = raw.reshape(rows, -1, 20)  # f16 d, f16 m, 16 bytes of 4-bit values
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return torch.from_numpy(d), torch.from_numpy(m)
+
+
+def _gguf_tensors(path: str, cfg: LlamaConfig
+                  ) -> Iterator[tuple[str, torch.Tensor, Blocks | None]]:
     import gguf
     from gguf.quants import dequantize
 
@@ -98,14 +110,16 @@ def _gguf_tensors(path: str, cfg: LlamaConfig) -> Iterator[tuple[str, torch.Tens
         if m:
             name = f"model.layers.{m.group(1)}.{name}"
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        if short == "attn_q.weight":
-            w = _unpermute(w, cfg.num_heads)
-        elif short == "attn_k.weight":
-            w = _unpermute(w, cfg.num_kv_heads)
-        yield name, w
+        blocks = (_q4_1_blocks(np.asarray(t.data), w.shape[0])
+                  if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None)
+        heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}.get(short)
+        if heads:
+            w = _unpermute(w, heads)
+            blocks = blocks and (_unpermute(blocks[0], heads), _unpermute(blocks[1], heads))
+        yield name, w, blocks
 
 
-def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, Blocks | None]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -114,7 +128,7 @@ def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in tqdm(files, desc="loading weights", unit="file", leave=False):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name), None
 
 
 def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
@@ -148,9 +162,9 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
 
 
 def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None) -> LlamaModel:
+               tp: TensorParallel | None = None, keep_q4_1: bool = False) -> LlamaModel:
     """Build the model (this rank's part of it) on `device` in `dtype` and fill every weight
-    from the files."""
+    from the files; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
     if files.gguf_file:
         cfg = config_from_gguf(gguf_metadata(files.path))
         import gguf
@@ -167,8 +181,9 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         model = LlamaModel(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     filled: set[str] = set()
+    owners = {id(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
     with torch.no_grad():
-        for name, w in tensors:
+        for name, w, blocks in tensors:
             dest = _destination(model, name)
             if dest is None:
                 continue
@@ -176,10 +191,23 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             w = model.tp.shard(name.split(".", 3)[-1], w, cfg)  # the per-layer suffix
             tensor[row : row + w.shape[0]].copy_(w)
             filled.add(name)
+            if keep_q4_1 and blocks is not None and model.tp.size == 1 and id(tensor) in owners:
+                _keep_blocks(owners[id(tensor)], row, blocks)
     if missing := _expected_names(cfg) - filled:
         raise ValueError(f"weights missing from {files.path}: {sorted(missing)[:5]}")
     model.init_rope()
     return model.eval()
+
+
+def _keep_blocks(linear: torch.nn.Linear, row: int, blocks: Blocks) -> None:
+    """Remember the file's own 4-bit grid for the rows a Q4_1 tensor filled, so int4 with groups
+    of 32 keeps the file's values exactly (gpu_workers/quant.py reads it)."""
+    out, k = linear.weight.shape
+    if not hasattr(linear, "q4_1"):
+        linear.q4_1 = torch.full((2, out, k // 32), float("nan"))
+    steps, mins = blocks
+    linear.q4_1[0, row : row + steps.shape[0]] = steps
+    linear.q4_1[1, row : row + mins.shape[0]] = mins
 
 
 def _expected_names(cfg: LlamaConfig) -> set[str]:

@@ -18,6 +18,7 @@ from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
+from gpu_workers.quant import quantize_model
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SurgeConfig, parse_memory
@@ -119,7 +120,10 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
     started = time.monotonic()
-    model = load_model(files, device, dtype, tp)
+    quant = cfg.model.quantization
+    model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4")
+    if quant != "none":
+        quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head)
     packed = cfg.model.pack_weights and can_pack(device, dtype)
     if packed:
         pack_model(model)
@@ -142,6 +146,7 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
         split += (f", Triton kernels, CUDA graphs for decode batches up to {graphs}" if graphs
                   else ", Triton kernels, no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
+                   f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")

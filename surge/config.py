@@ -36,6 +36,18 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         str | None, Meta(description="comma-separated CUDA devices for the ranks, as "
                          "CUDA_VISIBLE_DEVICES names them (indices, GPU-... or MIG-... UUIDs)")
     ] = None
+    quantization: Annotated[
+        Literal["none", "int8", "int4", "fp8"],
+        Meta(description="weight-only quantization of the decoder layers' linear layers at "
+             "load: int8 per output channel, int4 in groups (--quant-group-size), fp8 e4m3 per "
+             "output channel"),
+    ] = "none"
+    quant_group_size: Annotated[
+        int, Meta(ge=16, description="input columns sharing one int4 scale and offset")
+    ] = 64
+    quantize_lm_head: Annotated[
+        bool, Meta(description="quantize the LM head too (the embedding always stays)")
+    ] = False
     cuda_graph_max_batch: Annotated[
         int, Meta(ge=0, description="on CUDA, decode-only steps up to this many sequences "
                   "replay CUDA graphs captured at start (padded to the next captured size); "

@@ -1,0 +1,114 @@
+"""How much each quantization mode costs in accuracy: perplexity on a fixed text shipped in the
+repo (bench/data/apache-2.0.txt) and the share of greedy tokens that agree with the
+unquantized model on the reference prompts, for none / int8 / int4 / fp8.
+
+Usage: .venv/bin/python -m bench.quant_accuracy [--modes none,int8,int4,fp8] [--dtype float32]
+       [--tokens 2048] [--new-tokens 32] [--group-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+from gpu_workers.llama import LlamaModel
+from gpu_workers.loader import load_model
+from gpu_workers.model_runner import ModelRunner
+from gpu_workers.quant import quantize_model
+from surge.model_files import resolve_model
+from surge.protocol import SamplingParams, ScheduledSeq, StepPlan
+from tests.inprocess import InProcessEngine
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> float:
+    """exp of the mean next-token negative log-likelihood over token_ids, in one prefill."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    runner = ModelRunner(model, num_blocks, block_size, torch.device("cpu"),
+                         model.embed.weight.dtype)
+    seq = ScheduledSeq(0, token_ids, 0, list(range(num_blocks)), False,
+                       SamplingParams(max_tokens=1), 0)
+    step = runner.prepare(StepPlan(0, [seq]))
+    hidden = model(step.input_ids, step.positions, step.meta, runner.kv_cache)
+    targets = torch.tensor(token_ids[1:])
+    nll = 0.0
+    for start in range(0, n - 1, 256):  # the logits of the whole text at once are too large
+        logits = model.logits(hidden[start : min(start + 256, n - 1)])
+        nll += torch.nn.functional.cross_entropy(
+            logits, targets[start : start + 256], reduction="sum").item()
+    return math.exp(nll / (n - 1))
+
+
+def greedy(model: LlamaModel, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    engine = InProcessEngine(model, max_num_batched_tokens=4096)
+    for name, ids in prompts.items():
+        engine.add(name, ids, n)
+    return engine.run()
+
+
+def agreement(base: list[int], other: list[int]) -> int:
+    """How many tokens two greedy outputs share before they part."""
+    same = 0
+    for a, b in zip(base, other, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same
+
+
+def load(mode: str, dtype: torch.dtype, group: int) -> LlamaModel:
+    model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
+    if mode != "none":
+        quantize_model(model, mode, group)
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="none,int8,int4,fp8")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tokens", type=int, default=2048, help="of the text, for perplexity")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--group-size", type=int, default=64, help="int4 group size")
+    opts = parser.parse_args()
+    from server.tokenizer import Tokenizer
+    from tests.prompts import reference_prompts
+
+    tokenizer = Tokenizer(resolve_model("default"))
+    with open(TEXT) as f:
+        text_ids = tokenizer.encode(f.read())[: opts.tokens]
+    prompts = reference_prompts(tokenizer)
+    dtype = getattr(torch, opts.dtype)
+    print(f"{len(text_ids)} tokens of {os.path.relpath(TEXT)}; {len(prompts)} reference prompts "
+          f"x {opts.new_tokens} greedy tokens; {opts.dtype}; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{'mode':6} {'perplexity':>10} {'vs none':>8} {'prompts agreeing on 16':>23} "
+          f"{'tokens agreeing':>16} {'time':>6}")
+    base_ppl, base_out = None, None
+    for mode in opts.modes.split(","):
+        started = time.monotonic()
+        model = load(mode, dtype, opts.group_size)
+        ppl = perplexity(model, text_ids)
+        out = greedy(model, prompts, opts.new_tokens)
+        if base_out is None:
+            base_ppl, base_out = ppl, out
+        same = [agreement(base_out[k], out[k]) for k in prompts]
+        first16 = sum(s >= min(16, opts.new_tokens) for s in same)
+        print(f"{mode:6} {ppl:10.3f} {(ppl / base_ppl - 1) * 100:+7.2f}% "
+              f"{first16:>16} of {len(prompts):<4} "
+              f"{sum(same) / (len(prompts) * opts.new_tokens):15.1%} "
+              f"{time.monotonic() - started:5.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Weight-only quantization of the linear layers, done once at load: int8 with one scale per
+output channel, int4 with a scale and an offset per group of input columns, fp8 (e4m3) with one
+scale per output channel. The products run on PyTorch's own low-bit operators where the device
+has them; elsewhere on the dequantized weight (correct, not fast)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_workers.llama import LlamaModel
+
+_FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scales float32 [N]), w ~= q * scales[:, None]."""
+    scales = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
+    q = (w.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group: int, grid: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int32 in 0..15 [N, K], scales, zeros [N, K / group]) with
+    w ~= (q - 8) * scale + zero, the convention of PyTorch's int4 operators. grid: the steps
+    and minimums [2, N, K / group] to use (a GGUF file's own), else each group's range."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 group size {group} does not divide a layer's {k} input columns; "
+                         "pick a --quant-group-size that does (e.g. 32, 64)")
+    g = w.float().view(n, k // group, group)
+    if grid is not None:
+        scales, lo = grid[0].to(g.device), grid[1].to(g.device)
+    else:
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scales = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scales, lo + 8 * scales
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    return ((q.float() - 8) * scales.repeat_interleave(group, dim=1)
+            + zeros.repeat_interleave(group, dim=1))
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q float8_e4m3fn [N, K], scales float32 [N])."""
+    scales = w.float().abs().amax(dim=1).clamp(min=1e-8) / _FP8_MAX
+    return (w.float() / scales[:, None]).to(torch.float8_e4m3fn), scales
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = quantize_int8(weight)
+        self.q = nn.Buffer(q)
+        self.scales = nn.Buffer(scales.to(weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.is_cuda:
+            out = F.linear(flat, self.q.to(flat.dtype)) * self.scales
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
+        return out.view(*x.shape[:-1], -1)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None
+                 ) -> None:
+        super().__init__()
+        self.group, self.out_features = group, weight.shape[0]
+        q, scales, zeros = quantize_int4(weight, group, grid)
+        # [K / group, N, 2]: the layout both operators read their scales and offsets in.
+        self.scales_zeros = nn.Buffer(
+            torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype))
+        if weight.is_cuda:
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack(pairs, 8))
+        else:
+            self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.is_cuda:
+            out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group,
+                                                     self.scales_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group,
+                                                             self.scales_zeros)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class FP8Linear(nn.Module):
+    """On GPUs with fp8 tensor cores (compute capability 8.9+) activations are quantized per
+    token and multiplied in fp8 (torch._scaled_mm); elsewhere the weight is dequantized."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = quantize_fp8(weight)
+        self.q = nn.Buffer(q)
+        self.scales = nn.Buffer(scales)
+        self.fast = weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.fast:
+            x_scales = flat.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / _FP8_MAX
+            x8 = (flat.float() / x_scales).to(torch.float8_e4m3fn)
+            out = torch._scaled_mm(x8, self.q.t(), scale_a=x_scales,
+                                   scale_b=self.scales[None, :], out_dtype=flat.dtype)
+        else:
+            out = F.linear(flat, (self.q.float() * self.scales[:, None]).to(flat.dtype))
+        return out.view(*x.shape[:-1], -1)
+
+
+def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int) -> nn.Module:
+    """The quantized replacement of `linear` (whose weight is `weight`)."""
+    weight = weight.detach()
+    if mode == "int8":
+        return Int8Linear(weight)
+    if mode == "int4":
+        # A GGUF's Q4_1 blocks are groups of 32 on a grid of their own: keep exactly those.
+        grid = getattr(linear, "q4_1", None)
+        exact = group == 32 and grid is not None and not bool(grid.isnan().any())
+        return Int4Linear(weight, group, grid if exact else None)
+    if mode == "fp8":
+        return FP8Linear(weight)
+    raise ValueError(f"unknown quantization {mode!r} (none, int8, int4, fp8)")
+
+
+def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False) -> None:
+    """Every decoder-layer projection becomes a quantized linear; the embedding stays, and so
+    does the LM head unless `head` (a tied head then gets a quantized copy of the embedding)."""
+    for layer in model.layers:
+        for parent in (layer.attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, quantized(child, child.weight, mode, group))
+    if head:
+        source = model.embed if model.lm_head is None else model.lm_head
+        model.lm_head = quantized(source, source.weight, mode, group)
