@@ -5,7 +5,11 @@ wheel, without torchvision/torchaudio/torchcodec, whose PyPI builds break `impor
 CPU torch), exports the default model to a Hugging Face folder both servers load, then runs the
 same `surge bench` workloads against one server and then the other, and prints one table.
 
+With --quantization none,int8,int4 surge runs once per weight mode (the table then has a
+column per run, ratios against vLLM).
+
 Usage: .venv/bin/python -m bench.compare_vllm [--only surge|vllm] [--output result.json]
+       [--quantization none,int8] [--workloads c1,c64]
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
-def start(name: str, model: str, port: int, log: str) -> subprocess.Popen:
+def start(name: str, model: str, port: int, log: str, quantization: str = "none"
+          ) -> subprocess.Popen:
     if name == "vllm":
         cmd = [setup_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "128",
@@ -120,15 +125,18 @@ def start(name: str, model: str, port: int, log: str) -> subprocess.Popen:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     else:
         cmd = [sys.executable, "-m", "surge.cli", "serve", "--model", model, "--port",
-               str(port), "--served-model-name", "model", "--kv-cache-memory", "4GiB"]
+               str(port), "--served-model-name", "model", "--kv-cache-memory", "4GiB",
+               "--quantization", quantization]
         env = dict(os.environ)
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-def measure(url: str) -> dict[str, dict]:
+def measure(url: str, workloads: list[str]) -> dict[str, dict]:
     rows = {}
     for name, concurrency, input_len, output_len, prefix, count in WORKLOADS:
+        if name not in workloads:
+            continue
         bodies = fixed_workload(random.Random(0), count, input_len, output_len, prefix)
         bodies = [{**b, "model": "model"} for b in bodies]
         asyncio.run(closed_loop(url, bodies[:2], 2))  # warm up
@@ -146,31 +154,40 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["surge", "vllm"])
     parser.add_argument("--output")
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated surge weight modes to run (none,int8,int4,fp8)")
+    parser.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS))
     opts = parser.parse_args()
     model = export_model()
+    workloads = opts.workloads.split(",")
+    runs = [("surge" if q == "none" else f"surge-{q}", q)
+            for q in opts.quantization.split(",")] + [("vllm", "none")]
     table = {}
-    for name in ("surge", "vllm"):
-        if opts.only and name != opts.only:
+    for name, quantization in runs:
+        server = name.split("-")[0]
+        if opts.only and server != opts.only:
             continue
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start(name, model, port, os.path.join(ROOT, ".cache", f"{name}.log"))
+        proc = start(server, model, port, os.path.join(ROOT, ".cache", f"{name}.log"),
+                     quantization)
         try:
             _wait(url, proc)
             print(f"{name}:", flush=True)
-            table[name] = measure(url)
+            table[name] = measure(url, workloads)
         finally:
             proc.terminate()
             proc.wait(60)
-    if len(table) == 2:
-        print(f"\n{'workload':<8} {'surge tok/s':>12} {'vllm tok/s':>11} {'ratio':>6}   "
-              f"{'TTFT p50 surge/vllm':>20}   {'TPOT p50 surge/vllm':>20}")
-        for name, *_ in WORKLOADS:
-            s, v = table["surge"][name], table["vllm"][name]
-            print(f"{name:<8} {s['output_tok_s']:12.1f} {v['output_tok_s']:11.1f} "
-                  f"{s['output_tok_s'] / v['output_tok_s']:6.2f}   "
-                  f"{s['ttft_ms']['p50']:8.0f} / {v['ttft_ms']['p50']:<8.0f}ms   "
-                  f"{s['tpot_ms']['p50']:8.1f} / {v['tpot_ms']['p50']:<8.1f}ms")
+    if "vllm" in table and len(table) > 1:
+        for name in [n for n in table if n != "vllm"]:
+            print(f"\n{'workload':<8} {name + ' tok/s':>18} {'vllm tok/s':>11} {'ratio':>6}   "
+                  f"{'TTFT p50 surge/vllm':>20}   {'TPOT p50 surge/vllm':>20}")
+            for w in workloads:
+                s, v = table[name][w], table["vllm"][w]
+                print(f"{w:<8} {s['output_tok_s']:18.1f} {v['output_tok_s']:11.1f} "
+                      f"{s['output_tok_s'] / v['output_tok_s']:6.2f}   "
+                      f"{s['ttft_ms']['p50']:8.0f} / {v['ttft_ms']['p50']:<8.0f}ms   "
+                      f"{s['tpot_ms']['p50']:8.1f} / {v['tpot_ms']['p50']:<8.1f}ms")
     print(f"load average {os.getloadavg()[0]:.2f}")
     if opts.output:
         with open(opts.output, "w") as f:

@@ -3,7 +3,7 @@ repo (bench/data/apache-2.0.txt) and the share of greedy tokens that agree with 
 unquantized model on the reference prompts, for none / int8 / int4 / fp8.
 
 Usage: .venv/bin/python -m bench.quant_accuracy [--modes none,int8,int4,fp8] [--dtype float32]
-       [--tokens 2048] [--new-tokens 32] [--group-size 64]
+       [--tokens 2048] [--new-tokens 32] [--group-size 32]
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def agreement(base: list[int], other: list[int]) -> int:
 
 
 def load(mode: str, dtype: torch.dtype, group: int) -> LlamaModel:
-    model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
+    model = load_model(resolve_model("default"), torch.device("cpu"), dtype,
+                       keep_q4_1=mode == "int4")
     if mode != "none":
         quantize_model(model, mode, group)
     return model
@@ -78,7 +79,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=2048, help="of the text, for perplexity")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
-    parser.add_argument("--group-size", type=int, default=64, help="int4 group size")
+    parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
     opts = parser.parse_args()
     from server.tokenizer import Tokenizer
     from tests.prompts import reference_prompts

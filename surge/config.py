@@ -43,8 +43,9 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
              "output channel"),
     ] = "none"
     quant_group_size: Annotated[
-        int, Meta(ge=16, description="input columns sharing one int4 scale and offset")
-    ] = 64
+        int, Meta(ge=16, description="input columns sharing one int4 scale and offset (32 on a "
+                  "Q4_1 GGUF keeps the file's own 4-bit values)")
+    ] = 32
     quantize_lm_head: Annotated[
         bool, Meta(description="quantize the LM head too (the embedding always stays)")
     ] = False

@@ -116,15 +116,17 @@ def test_int8_greedy_agrees_with_float_on_most_prompts(model_files, float_greedy
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "bound"), [("int8", 0.01), ("int4", 0.05)])
 def test_perplexity_increase_is_bounded(model_files, tokenizer, engine_model, mode, bound):
-    """On the first 512 tokens of the shipped text (bench.quant_accuracy reports the whole)."""
+    """On the first 512 tokens of the shipped text (bench.quant_accuracy reports the whole).
+    int4 in groups of 32, the default: the bundled model is itself Q4_1, so coarser groups
+    re-quantize 4-bit values onto a worse grid (groups of 64: +31%)."""
     from bench.quant_accuracy import TEXT, perplexity
     from gpu_workers.loader import load_model
 
     with open(TEXT) as f:
         ids = tokenizer.encode(f.read())[:512]
     base = perplexity(engine_model, ids)
-    model = load_model(model_files, torch.device("cpu"), torch.float32)
-    quantize_model(model, mode, 64)
+    model = load_model(model_files, torch.device("cpu"), torch.float32, keep_q4_1=True)
+    quantize_model(model, mode, 32)
     ppl = perplexity(model, ids)
     print(f"\n  {mode}: perplexity {ppl:.3f} vs {base:.3f} ({(ppl / base - 1) * 100:+.2f}%)")
     assert ppl <= base * (1 + bound)
