@@ -14,6 +14,11 @@ from gpu_workers.llama import LlamaModel
 _FP8_MAX = 448.0  # largest finite e4m3 value
 
 
+def _has_op(name: str, device: torch.device) -> bool:
+    """Whether this torch build has a kernel for aten::name on the device's backend."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", device.type.upper())
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q int8 [N, K], scales float32 [N]), w ~= q * scales[:, None]."""
     scales = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
@@ -58,13 +63,14 @@ class Int8Linear(nn.Module):
         q, scales = quantize_int8(weight)
         self.q = nn.Buffer(q)
         self.scales = nn.Buffer(scales.to(weight.dtype))
+        self.fast = _has_op("_weight_int8pack_mm", weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.is_cuda:
-            out = F.linear(flat, self.q.to(flat.dtype)) * self.scales
-        else:
+        if self.fast:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
+        else:
+            out = F.linear(flat, self.q.to(flat.dtype)) * self.scales
         return out.view(*x.shape[:-1], -1)
 
 
