@@ -147,3 +147,27 @@ def test_gguf_q4_1_blocks_are_kept_exactly(model_files):
                                    rtol=0, atol=1e-6)
     quantize_model(model, "int4", 32)
     assert isinstance(model.layers[0].attn.qkv_proj, Int4Linear)
+
+
+def test_prefix_cache_hits_with_quantized_weights(tmp_path):
+    """The prefix cache knows nothing of weights: with int4 layers, requests sharing a prompt
+    prefix reuse its blocks and give the tokens they give with the cache off."""
+    from gpu_workers.loader import load_model
+    from surge.model_files import resolve_model
+    from tests.inprocess import InProcessEngine
+    from tests.tiny_model import save_tiny_llama
+
+    save_tiny_llama(str(tmp_path), heads=4, kv_heads=2, vocab=256)
+    model = load_model(resolve_model(str(tmp_path)), torch.device("cpu"), torch.float32)
+    quantize_model(model, "int4", 32)
+    shared = [(5 * i) % 250 + 1 for i in range(40)]
+    prompts = {f"p{i}": shared + [i + 1, i + 2] for i in range(4)}
+    runs = {}
+    for cache in (True, False):
+        engine = InProcessEngine(model, num_blocks=64, block_size=4, prefix_cache=cache)
+        for name, ids in prompts.items():
+            engine.add(name, ids, 8)
+            runs.setdefault(cache, {}).update(engine.run())
+        if cache:
+            assert engine.scheduler.blocks.hit_tokens >= 3 * 40
+    assert runs[True] == runs[False]
