@@ -89,12 +89,20 @@ def test_bf16_inputs_run_on_the_low_bit_operators():
 
 
 @pytest.fixture(scope="module")
-def float_greedy(model_files, tokenizer, engine_model):
+def bf16_model(model_files):
+    """The serving dtype: PyTorch's low-bit CPU operators are fast in bf16, slow in fp32."""
+    from gpu_workers.loader import load_model
+
+    return load_model(model_files, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def float_greedy(tokenizer, bf16_model):
     from bench.quant_accuracy import greedy
     from tests.prompts import reference_prompts
 
     prompts = reference_prompts(tokenizer)
-    return prompts, greedy(engine_model, prompts, 16)
+    return prompts, greedy(bf16_model, prompts, 16)
 
 
 @pytest.mark.slow
@@ -103,8 +111,8 @@ def test_int8_greedy_agrees_with_float_on_most_prompts(model_files, float_greedy
     from gpu_workers.loader import load_model
 
     prompts, expected = float_greedy
-    model = load_model(model_files, torch.device("cpu"), torch.float32)
-    quantize_model(model, "int8", 64)
+    model = load_model(model_files, torch.device("cpu"), torch.bfloat16)
+    quantize_model(model, "int8", 32)
     assert isinstance(model.layers[0].attn.qkv_proj, Int8Linear)
     got = greedy(model, prompts, 16)
     agreeing = [name for name in prompts if got[name] == expected[name]]
@@ -115,7 +123,7 @@ def test_int8_greedy_agrees_with_float_on_most_prompts(model_files, float_greedy
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "bound"), [("int8", 0.01), ("int4", 0.05)])
-def test_perplexity_increase_is_bounded(model_files, tokenizer, engine_model, mode, bound):
+def test_perplexity_increase_is_bounded(model_files, tokenizer, bf16_model, mode, bound):
     """On the first 512 tokens of the shipped text (bench.quant_accuracy reports the whole).
     int4 in groups of 32, the default: the bundled model is itself Q4_1, so coarser groups
     re-quantize 4-bit values onto a worse grid (groups of 64: +31%)."""
@@ -124,8 +132,8 @@ def test_perplexity_increase_is_bounded(model_files, tokenizer, engine_model, mo
 
     with open(TEXT) as f:
         ids = tokenizer.encode(f.read())[:512]
-    base = perplexity(engine_model, ids)
-    model = load_model(model_files, torch.device("cpu"), torch.float32, keep_q4_1=True)
+    base = perplexity(bf16_model, ids)
+    model = load_model(model_files, torch.device("cpu"), torch.bfloat16, keep_q4_1=True)
     quantize_model(model, mode, 32)
     ppl = perplexity(model, ids)
     print(f"\n  {mode}: perplexity {ppl:.3f} vs {base:.3f} ({(ppl / base - 1) * 100:+.2f}%)")
