@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import msgspec
+
 from surge.config import ConfigError, add_arguments, load_config
 
 
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             cfg = load_config(vars(args))
+            from gpu_workers.devices import resolve  # imports torch: for serve only
+
+            # Devices and the number of ranks are settled before any worker touches CUDA.
+            cfg = msgspec.structs.replace(cfg, model=resolve(cfg.model))
         except ConfigError as e:
             print(f"surge: {e}", file=sys.stderr)
             return 2

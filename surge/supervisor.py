@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from gpu_workers.devices import resolve as resolve_devices
 from gpu_workers.worker import run_worker
 from scheduler.admin import flatten
 from shm.ring import RingBuffer
@@ -33,8 +32,7 @@ _RESTART_WINDOW_S = 60.0
 
 class Supervisor:
     def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
-        # Devices and the number of ranks are settled here, before any worker touches CUDA.
-        cfg = msgspec.structs.replace(cfg, model=resolve_devices(cfg.model))
+        """cfg.model has its devices resolved (gpu_workers.devices.resolve)."""
         self.cfg = cfg
         self.num_workers = cfg.model.tensor_parallel_size
         self.generation = 0  # of workers: a tensor-parallel group is replaced as a whole

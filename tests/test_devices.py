@@ -52,3 +52,14 @@ def test_devices_by_index_or_mig_uuid(four_gpus, monkeypatch):
 def test_more_ranks_than_gpus_is_refused_with_the_fix(four_gpus):
     with pytest.raises(ConfigError, match="needs 8 GPUs but 4 are visible"):
         devices.resolve(ModelConfig(tensor_parallel_size=8))
+
+
+def test_serve_refuses_more_ranks_than_gpus_with_exit_code_2():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "surge.cli", "serve", "--device", "cuda",
+                           "--tensor-parallel-size", "512"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs 512 GPUs but" in proc.stderr and "lower it" in proc.stderr
