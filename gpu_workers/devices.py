@@ -16,10 +16,8 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return msgspec.structs.replace(cfg, device="cpu",
                                        tensor_parallel_size=cfg.tensor_parallel_size or 1)
-    if cfg.devices:
-        devices = [d.strip() for d in cfg.devices.split(",") if d.strip()]
-    elif inherited := os.environ.get("CUDA_VISIBLE_DEVICES"):
-        devices = [d.strip() for d in inherited.split(",") if d.strip()]
+    if listed := cfg.devices or os.environ.get("CUDA_VISIBLE_DEVICES"):
+        devices = [d.strip() for d in listed.split(",") if d.strip()]
     else:
         devices = [str(i) for i in range(torch.cuda.device_count())]
     size = cfg.tensor_parallel_size or len(devices)

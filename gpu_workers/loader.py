@@ -134,7 +134,7 @@ def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, Blocks | None
 def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
     """HF parameter name -> (our tensor, row offset into it) on this rank; None for tensors we
     do not use."""
-    cfg, tp = model.cfg, model.tp
+    cfg = model.cfg
     if name == "model.embed_tokens.weight":
         return model.embed.weight, 0
     if name == "model.norm.weight":
@@ -145,9 +145,9 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
     if not m:
         return None
     layer = model.layers[int(m.group(1))]
-    q = tp.split(cfg.num_heads, "attention heads") * cfg.head_dim
-    kv = tp.kv_heads(cfg.num_kv_heads)[1] * cfg.head_dim
-    ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
+    # This rank's widths, as its layers were built.
+    q, kv = layer.attn.num_heads * cfg.head_dim, layer.attn.num_kv_heads * cfg.head_dim
+    ff = layer.mlp.down_proj.in_features
     return {
         "input_layernorm.weight": (layer.input_norm, 0),
         "post_attention_layernorm.weight": (layer.post_attn_norm, 0),

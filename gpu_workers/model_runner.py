@@ -131,6 +131,7 @@ class ModelRunner:
         positions = starts[seq_of] + np.arange(len(ids)) - firsts[seq_of]
         tables = [s.block_table for s in seqs]
         all_tables = _padded(tables)
+        widths = np.fromiter((len(t) for t in tables), np.int64, len(tables))
         slots = all_tables[seq_of, positions // bs] * bs + positions % bs
         context = starts + lens
         shared = 0
@@ -144,10 +145,10 @@ class ModelRunner:
             slot_mapping=stage.add(slots),
             num_decode=nd,
             # Padded per group: decode attention reads every listed block, so keep it narrow.
-            decode_block_tables=stage.add(_padded(tables[:nd])),
+            decode_block_tables=stage.add(all_tables[:nd, : widths[:nd].max(initial=0)]),
             decode_context_lens=stage.add(context[:nd]),
             decode_shared_blocks=shared,
-            prefill_block_tables=stage.add(_padded(tables[nd:])),
+            prefill_block_tables=stage.add(all_tables[nd:, : widths[nd:].max(initial=0)]),
             prefill_query_start=stage.add(np.concatenate([[0], np.cumsum(prefill_lens)])),
             prefill_context_lens=stage.add(context[nd:]),
             prefill_max_query_len=int(prefill_lens.max(initial=0)),

@@ -43,6 +43,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 Column = Callable[[list, torch.dtype], torch.Tensor]
 
 
+def _new_tensors(device: torch.device) -> Column:
+    return lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
+
+
 class SamplingBatch(Struct, kw_only=True):
     """The sampling parameters of the rows of one step, as tensors, with what the host already
     knows of them (so no stage has to ask the device whether it is needed)."""
@@ -71,8 +75,7 @@ class SamplingBatch(Struct, kw_only=True):
         """seqs are the rows that sample. column(values, dtype) puts a list on the device
         (the worker's staging buffers; by default a new tensor). Penalties come later, from
         the rows' histories (add_penalties)."""
-        column = column or (lambda values, dtype: torch.tensor(values, dtype=dtype,
-                                                               device=device))
+        column = column or _new_tensors(device)
         params = [s.sampling for s in seqs]
         # Below 1e-5 dividing by the temperature overflows: that is greedy anyway.
         temperature = [p.temperature if p.temperature >= 1e-5 else 0.0 for p in params]
@@ -112,13 +115,10 @@ class SamplingBatch(Struct, kw_only=True):
         params = [s.sampling for s in seqs]
         if not any(p.uses_penalties for p in params):
             return
-
-        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.presence = column([p.presence_penalty for p in params])
-        self.frequency = column([p.frequency_penalty for p in params])
-        self.repetition = column([p.repetition_penalty for p in params])
+        column = _new_tensors(device)
+        self.presence = column([p.presence_penalty for p in params], torch.float32)
+        self.frequency = column([p.frequency_penalty for p in params], torch.float32)
+        self.repetition = column([p.repetition_penalty for p in params], torch.float32)
         # Flat (row, token) lists, then one scatter each for the whole batch.
         seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
         for i, (s, toks) in enumerate(zip(seqs, histories, strict=True)):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_FLOAT_DTYPES = (torch.float32,)
-
 
 class Staging:
     def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
@@ -43,9 +41,10 @@ class Staging:
             shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Pack values (int64, or float32) and return their view in the device buffer; it holds
         them once send() has been called and the compute stream has waited on it."""
-        array = np.asarray(values, dtype=np.float32 if dtype in _FLOAT_DTYPES else np.int64)
+        floats = dtype == torch.float32
+        array = np.asarray(values, dtype=np.float32 if floats else np.int64)
         n = array.size
-        words = (n + 1) // 2 if dtype in _FLOAT_DTYPES else n
+        words = (n + 1) // 2 if floats else n
         start, end = self.used, self.used + words
         if end > len(self._words):
             raise ValueError(f"a step's inputs need more than {len(self._words)} staging words; "
@@ -53,7 +52,7 @@ class Staging:
         self.used = end
         dest = self._words[start:end]
         view = self.dev[self.slot][start:end]
-        if dtype in _FLOAT_DTYPES:
+        if floats:
             dest.view(np.float32)[:n] = array.reshape(-1)
             view = view.view(torch.float32)[:n]
         else:
