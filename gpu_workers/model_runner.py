@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from msgspec import Struct
 
+from gpu_workers.draft import DraftModel
 from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import SamplingBatch, sample
@@ -20,6 +21,7 @@ from surge.protocol import (
     SamplingParams,
     ScheduledSeq,
     StepPlan,
+    StepResult,
     TokenLogprobs,
 )
 
@@ -57,29 +59,55 @@ class Step(Struct, kw_only=True):
     patch_at: torch.Tensor
     patch_from: torch.Tensor
     logit_rows: torch.Tensor  # the hidden state each sampled token comes from
-    picked: list[ScheduledSeq]  # the rows that sample, in logit_rows order
+    # The rows that sample, in logit_rows order: a sequence with proposals has one per
+    # proposed token plus one, from first_row[seq_id] on; sample_positions: each row's token's.
+    picked: list[ScheduledSeq]
+    first_row: dict[int, int]
+    sample_positions: list[int]
     sampling: SamplingBatch | None
+    proposers: Proposers | None  # sequences the draft model proposes for after this step
+
+
+class Proposers(Struct, kw_only=True):
+    """Where the draft model starts for each sequence that asked: after its newest token,
+    which depends on how many of its proposals this step accepts (found on the device)."""
+
+    seq_ids: list[int]
+    first_row: torch.Tensor  # [S] its first sampling row
+    num_draft: torch.Tensor  # [S] proposals it verifies in this step
+    max_draft: int
+    context: torch.Tensor  # [S] its tokens through this step, proposals included
+    tables: torch.Tensor  # [S, W] block tables, with room for the proposals to come
+    k: int
 
 
 class Launched(Struct, kw_only=True):
     step: Step
-    tokens: torch.Tensor | None  # host copy of the sampled ids (being filled on CUDA)
-    ready: torch.cuda.Event | None
-    logprobs: list[TokenLogprobs | None]
+    # Host copies (being filled on CUDA) of the sampled ids, which rows accepted their
+    # proposed token (None: no proposals) and the draft model's proposals (None: none asked).
+    tokens: torch.Tensor | None
+    accepted: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    logprobs: list[TokenLogprobs | None] = []
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *, graphs_max_batch: int = 0,
-                 capture_graphs: bool = False) -> None:
+                 capture_graphs: bool = False, draft: LlamaModel | None = None) -> None:
         """graphs_max_batch > 0: decode-only batches up to that size take the padded graph
-        path (captured as CUDA graphs when capture_graphs)."""
+        path (captured as CUDA graphs when capture_graphs). draft: speculative decoding's
+        draft model, which gets a KV cache of its own."""
         self.model = model
         self.block_size = block_size
         self.device = device
         # One block past the scheduler's: where graph padding rows write.
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks + 1, block_size),
                                     dtype=dtype, device=device)
+        self.draft = None if draft is None else DraftModel(draft, torch.zeros(
+            kv_cache_shape(draft, num_blocks + 1, block_size), dtype=dtype, device=device),
+            block_size)
         self.staging = Staging(device)
         self.graphs = (DecodeGraphs(model, self.kv_cache, block_size, num_blocks,
                                     graphs_max_batch, capture_graphs)
@@ -108,9 +136,7 @@ class ModelRunner:
         self.run(StepPlan(-1, [decode]))
         self.sampled_rows, self.last_sampled = {}, {}
 
-    def run(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The sampled token of each sequence with sample=True, in plan order, and its
-        logprobs where asked for (an empty list when nobody asked)."""
+    def run(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(self.prepare(plan)))
 
     def prepare(self, plan: StepPlan) -> Step:
@@ -153,19 +179,51 @@ class ModelRunner:
             prefill_context_lens=stage.add(context[nd:]),
             prefill_max_query_len=int(prefill_lens.max(initial=0)),
         )
-        want = [i for i, s in enumerate(seqs) if s.sample]
-        picked = [seqs[i] for i in want]
-        self.sampled_rows = {s.seq_id: row for row, s in enumerate(picked)}
+        # A sequence samples at its last token and, with proposals, before each proposed
+        # token too (each such row verifies the token that follows it).
+        last_rows = np.cumsum(lens) - 1
+        rows: list[int] = []
+        picked: list[ScheduledSeq] = []
+        sample_positions: list[int] = []
+        drafts: list[int] = []
+        first_row: dict[int, int] = {}
+        for i, s in enumerate(seqs):
+            if s.sample:
+                nd, end = s.num_draft, int(last_rows[i])
+                first_row[s.seq_id] = len(rows)
+                rows += range(end - nd, end + 1)
+                picked += [s] * (nd + 1)
+                sample_positions += range(int(context[i]) - nd, int(context[i]) + 1)
+                drafts += [*s.token_ids[len(s.token_ids) - nd :], -1] if nd else [-1]
+        self.sampled_rows = {s.seq_id: first_row[s.seq_id] + s.num_draft
+                             for s in seqs if s.sample}
         sampling = None
         if picked and self.model.tp.rank == 0:
-            sampling = SamplingBatch.build(picked, (context[want]).tolist(),
-                                           self.model.cfg.vocab_size, self.device, stage.add)
+            sampling = SamplingBatch.build(
+                picked, sample_positions, self.model.cfg.vocab_size, self.device, stage.add,
+                drafts if any(s.num_draft for s in seqs) else None)
         step = Step(plan=plan, slot=slot, seqs=seqs, input_ids=stage.add(ids),
                     positions=stage.add(positions), meta=meta, patch_at=stage.add(patch_at),
-                    patch_from=stage.add(patch_from), logit_rows=stage.add(
-                        (np.cumsum(lens) - 1)[want]), picked=picked, sampling=sampling)
+                    patch_from=stage.add(patch_from), logit_rows=stage.add(np.array(rows)),
+                    picked=picked, first_row=first_row, sample_positions=sample_positions,
+                    sampling=sampling, proposers=self._proposers(seqs, first_row, context,
+                                                                 all_tables))
         stage.send()
         return step
+
+    def _proposers(self, seqs: list[ScheduledSeq], first_row: dict[int, int],
+                   context: np.ndarray, tables: np.ndarray) -> Proposers | None:
+        which = [i for i, s in enumerate(seqs) if s.propose]
+        if self.draft is None or not which:
+            return None
+        stage = self.staging
+        num_draft = np.fromiter((seqs[i].num_draft for i in which), np.int64, len(which))
+        return Proposers(
+            seq_ids=[seqs[i].seq_id for i in which],
+            first_row=stage.add(np.array([first_row[seqs[i].seq_id] for i in which])),
+            num_draft=stage.add(num_draft), max_draft=int(num_draft.max()),
+            context=stage.add(context[which]), tables=stage.add(tables[which]),
+            k=max(seqs[i].propose for i in which))
 
     @torch.inference_mode()
     def launch(self, step: Step) -> Launched:
@@ -182,42 +240,85 @@ class ModelRunner:
                                      meta.decode_block_tables, meta.decode_context_lens)
         else:
             hidden = self.model(step.input_ids, step.positions, meta, self.kv_cache)
+        if self.draft is not None:
+            self.draft.mirror(step.input_ids, step.positions, meta)
         if not step.picked:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
-            return Launched(step=step, tokens=None, ready=None, logprobs=[])
+            return Launched(step=step, tokens=None)
         logprobs: list[TokenLogprobs | None] = []
+        accepted = None
         if step.sampling is not None:  # rank 0 samples for the group
             logits = self.model.logits(hidden[step.logit_rows])
             self.forward_s = time.perf_counter() - started
-            step.sampling.add_penalties(step.picked, [self._history(s) for s in step.picked],
-                                        logits.shape[1], self.device)
-            tokens, logprobs = sample(logits, step.sampling)
+            step.sampling.add_penalties(
+                step.picked, [None if s.history is None else self._history(s)[:position]
+                              for s, position in zip(step.picked, step.sample_positions,
+                                                     strict=True)],
+                logits.shape[1], self.device)
+            tokens, accepted, logprobs = sample(logits, step.sampling)
         else:
             tokens = torch.empty(len(step.picked), dtype=torch.int64, device=self.device)
         self.model.tp.broadcast(tokens)
         self.sampled = tokens
+        drafts = None if step.proposers is None else self._propose(step.proposers, tokens,
+                                                                    accepted)
         self.staging.release(step.slot)
         if self.device.type != "cuda":
-            return Launched(step=step, tokens=tokens, ready=None, logprobs=logprobs)
-        host = self.host_tokens[: len(tokens)]
-        host.copy_(tokens, non_blocking=True)
+            return Launched(step=step, tokens=tokens, accepted=accepted, drafts=drafts,
+                            logprobs=logprobs)
+        host = [None if t is None else t.to("cpu", non_blocking=True)
+                for t in (accepted, drafts)]
+        tokens_host = self.host_tokens[: len(tokens)]
+        tokens_host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(step=step, tokens=host, ready=ready, logprobs=logprobs)
+        return Launched(step=step, tokens=tokens_host, accepted=host[0], drafts=host[1],
+                        ready=ready, logprobs=logprobs)
 
-    def finish(self, launched: Launched) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Wait for the sampled ids; each sampling sequence's token in plan order."""
+    def _propose(self, p: Proposers, tokens: torch.Tensor, accepted: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """[S, k] draft proposals, each from its sequence's newest token: the one sampled
+        after its accepted proposals (counted on the device, without a sync)."""
+        assert self.draft is not None
+        taken = torch.zeros_like(p.first_row)
+        if accepted is not None and p.max_draft:
+            offsets = torch.arange(p.max_draft, device=self.device)
+            rows = (p.first_row[:, None] + offsets).clamp(max=len(accepted) - 1)
+            agree = accepted[rows] & (offsets < p.num_draft[:, None])
+            taken = agree.long().cumprod(dim=1).sum(dim=1)
+        newest = tokens[p.first_row + taken]
+        return self.draft.propose(newest, p.context - p.num_draft + taken, p.tables, p.k)
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for the sampled ids: each sampling sequence's new tokens in plan order."""
         if launched.ready is not None:
             launched.ready.synchronize()
         step = launched.step
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
-        self.last_sampled = {s.seq_id: t for s, t in zip(step.picked, tokens, strict=True)}
-        # Back to plan order, which is how the scheduler reads them.
-        order = {s.seq_id: i for i, s in enumerate(step.picked)}
-        in_plan = [order[s.seq_id] for s in step.plan.seqs if s.sample]
+        accepted = None if launched.accepted is None else launched.accepted.tolist()
         logprobs = launched.logprobs
-        return [tokens[i] for i in in_plan], [logprobs[i] for i in in_plan] if logprobs else []
+        # Back to plan order, which is how the scheduler reads them.
+        new: list[int] = []
+        new_logprobs: list[TokenLogprobs | None] = []
+        num_accepted: list[int] = []
+        self.last_sampled = {}
+        for s in step.plan.seqs:
+            if not s.sample:
+                continue
+            first, taken = step.first_row[s.seq_id], 0
+            while accepted and taken < s.num_draft and accepted[first + taken]:
+                taken += 1
+            new += tokens[first : first + taken + 1]
+            new_logprobs += logprobs[first : first + taken + 1]
+            num_accepted.append(taken)
+            self.last_sampled[s.seq_id] = tokens[first + taken]
+        drafts: list[list[int]] = []
+        if launched.drafts is not None and step.proposers is not None:
+            proposed = dict(zip(step.proposers.seq_ids, launched.drafts.tolist(), strict=True))
+            drafts = [proposed.get(s.seq_id, []) for s in step.plan.seqs if s.sample]
+        return StepResult(step.plan.step_id, new, new_logprobs,
+                          num_accepted if accepted is not None else [], drafts)
 
     def _history(self, s: ScheduledSeq) -> list[int] | None:
         """Every token of s up to the one being sampled, for penalties (None without them)."""

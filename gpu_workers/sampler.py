@@ -4,6 +4,11 @@ Randomness is a pure function of (seed, position, token id): a counter-based has
 generator with state. So a seeded request gives the same tokens whatever batch it shares, and a
 sequence recomputed after preemption or a worker restart samples exactly what it sampled before.
 Each stage runs only when some row of the batch asks for it.
+
+Speculative decoding verifies proposed tokens here: a row with a draft token d keeps d when
+the model agrees, else samples again. Greedy rows agree when d is their argmax. Sampling rows
+accept d with probability p(d), and on rejection draw from p with d removed: then every token x
+comes out with probability p(x) exactly (d: p(d); any other: (1 - p(d)) p(x) / (1 - p(d))).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from msgspec import Struct
 from surge.protocol import ScheduledSeq, TokenLogprobs
 
 _MASK = 0xFFFFFFFF
+_ACCEPT_STREAM = 0x5DEECE66D  # xored into the seed for speculative acceptance draws
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -68,13 +74,16 @@ class SamplingBatch(Struct, kw_only=True):
     seen: torch.Tensor | None = None  # [B, V] tokens in the prompt or the output
     bias: torch.Tensor | None = None  # [B, V] logit_bias, with -inf on banned stop tokens
     logprobs: list[int | None] = []
+    drafts: torch.Tensor | None = None  # [B] the proposed token each row verifies (-1: none)
 
     @classmethod
     def build(cls, seqs: list[ScheduledSeq], positions: list[int], vocab: int,
-              device: torch.device, column: Column | None = None) -> SamplingBatch:
+              device: torch.device, column: Column | None = None,
+              drafts: list[int] | None = None) -> SamplingBatch:
         """seqs are the rows that sample. column(values, dtype) puts a list on the device
-        (the worker's staging buffers; by default a new tensor). Penalties come later, from
-        the rows' histories (add_penalties)."""
+        (the worker's staging buffers; by default a new tensor). drafts: each row's proposed
+        token to verify (-1: none). Penalties come later, from the rows' histories
+        (add_penalties)."""
         column = column or _new_tensors(device)
         params = [s.sampling for s in seqs]
         # Below 1e-5 dividing by the temperature overflows: that is greedy anyway.
@@ -92,6 +101,7 @@ class SamplingBatch(Struct, kw_only=True):
             any_top_p=any(p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             logprobs=[p.logprobs for p in params],
+            drafts=column(drafts, torch.int64) if drafts else None,
         )
         bias_rows, bias_ids, bias_values = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
@@ -189,17 +199,34 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch
-           ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-    """logits [B, V] float32 -> (token ids [B], logprobs per row where asked, else [])."""
+           ) -> tuple[torch.Tensor, torch.Tensor | None, list[TokenLogprobs | None]]:
+    """logits [B, V] float32 -> (token ids [B], which rows accepted their draft token [B]
+    (None without drafts), logprobs per row where asked, else [])."""
     processed = _apply_penalties(logits, b)
     greedy = processed.argmax(dim=-1)
+    drafts = b.drafts
+    accepted = None
+    if drafts is not None:
+        has_draft = drafts >= 0
+        draft_ids = drafts.clamp(min=0)[:, None]
+        accepted = has_draft & (greedy == drafts)
     if b.any_random:
         probs = _filter(processed, b).softmax(dim=-1)
+        if drafts is not None:
+            # Independent of the race's noise at the same position: another seed stream.
+            coin = uniform_noise(b.seeds ^ _ACCEPT_STREAM, b.positions, 1)[:, 0]
+            lucky = has_draft & (coin < probs.gather(1, draft_ids)[:, 0])
+            accepted = torch.where(b.temperature > 0, lucky, accepted)
+            probs = probs.scatter(1, draft_ids, torch.where(has_draft[:, None], 0.0,
+                                                            probs.gather(1, draft_ids)))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
         race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))
         # A row whose every token was masked has no distribution left: fall back to greedy.
-        usable = (b.temperature > 0) & torch.isfinite(race).all(dim=-1)
+        usable = ((b.temperature > 0) & torch.isfinite(race).all(dim=-1)
+                  & (race.amax(dim=-1) > 0))
         tokens = torch.where(usable, race.argmax(dim=-1), greedy)
     else:
         tokens = greedy
-    return tokens, _logprobs(logits, tokens, b.logprobs)
+    if accepted is not None:
+        tokens = torch.where(accepted, drafts, tokens)
+    return tokens, accepted, _logprobs(logits, tokens, b.logprobs)

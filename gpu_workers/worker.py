@@ -14,6 +14,8 @@ import zmq
 
 import kernels
 from gpu_workers.devices import place
+from gpu_workers.draft import truncated
+from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
 from gpu_workers.packed import can_pack, pack_model
@@ -21,10 +23,10 @@ from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
-from surge.config import ModelConfig, SurgeConfig, parse_memory
+from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig, parse_memory
 from surge.model_files import resolve_model
 from surge.process import child_setup
-from surge.protocol import PlanMessage, Shutdown, StepResult, WorkerFailed, WorkerReady, encode
+from surge.protocol import PlanMessage, Shutdown, WorkerFailed, WorkerReady, encode
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.worker")
@@ -76,15 +78,14 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
             nonlocal pending, idle_since
             assert pending is not None
             launched, started, wait_s = pending
-            tokens, logprobs = runner.finish(launched)
+            result = runner.finish(launched)
             metrics.step_time.labels(str(rank)).observe(time.perf_counter() - started)
             if device.type == "cuda":
                 metrics.device_memory.labels(str(rank)).set(torch.cuda.memory_allocated(device))
             if rank == 0:
-                results.send(encode(StepResult(
-                    launched.step.plan.step_id, tokens, logprobs,
-                    compute_s=time.perf_counter() - started, forward_s=runner.forward_s,
-                    wait_s=wait_s)))
+                result.compute_s = time.perf_counter() - started
+                result.forward_s, result.wait_s = runner.forward_s, wait_s
+                results.send(encode(result))
             pending = None
             idle_since = time.perf_counter()
 
@@ -127,11 +128,13 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     packed = cfg.model.pack_weights and can_pack(device, dtype)
     if packed:
         pack_model(model)
+    draft = _load_draft(cfg.speculative, model, device, dtype, packed)
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     if device.type == "cpu":
         budget //= tp.size  # the ranks share one memory; on GPUs the budget is per device
-    num_blocks = budget // kv_block_bytes(model, block_size, dtype)
+    num_blocks = budget // (kv_block_bytes(model, block_size, dtype)
+                            + (kv_block_bytes(draft, block_size, dtype) if draft else 0))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
@@ -139,7 +142,7 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     kernels.use_triton(cuda)
     graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
-                         graphs_max_batch=graphs, capture_graphs=cuda)
+                         graphs_max_batch=graphs, capture_graphs=cuda, draft=draft)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     if cuda:
@@ -147,8 +150,27 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
                   else ", Triton kernels, no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
-                   f"{' (oneDNN-packed weights)' if packed else ''}, "
+                   f"{' (oneDNN-packed weights)' if packed else ''}"
+                   f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
                                description=description)
+
+
+def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,
+                dtype: torch.dtype, packed: bool) -> LlamaModel | None:
+    """Speculative decoding's draft: another model file, or the target itself (sharing its
+    weights), cut to draft_layers."""
+    if not cfg.has_draft:
+        return None
+    draft = target
+    if cfg.draft_model is not None:
+        draft = load_model(resolve_model(cfg.draft_model), device, dtype)
+        if draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is "
+                             f"not the target's ({target.cfg.vocab_size}); a draft must share "
+                             f"the target's tokenizer")
+        if packed:
+            pack_model(draft)
+    return truncated(draft, cfg.draft_layers) if cfg.draft_layers else draft

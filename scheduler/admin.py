@@ -6,36 +6,41 @@ from typing import Any
 
 import msgspec
 
-from surge.config import SchedulerConfig, TenantConfig
+from surge.config import SpeculativeConfig, SurgeConfig, TenantConfig
 from surge.protocol import AdminReply, AdminRequest
 
-# What can change while serving; the rest (block_size, kv_cache_memory) shapes memory. Every
-# field of a tenant is live too, as tenants.NAME.FIELD.
-LIVE = ("max_num_seqs", "max_num_batched_tokens", "batch_wait_ms", "prefix_cache",
-        "async_scheduling", "length_bucketing", "policy", "priority_preemption",
-        "priority_aging_s", "interactive_step_ms", "max_queued_requests", "max_queued_tokens")
+# What can change while serving, by section; the rest (block_size, kv_cache_memory, the draft
+# model) shapes memory or what the workers load. Every field of a tenant is live too, as
+# tenants.NAME.FIELD.
+LIVE: dict[str, tuple[str, ...]] = {
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "batch_wait_ms", "prefix_cache",
+                  "async_scheduling", "length_bucketing", "policy", "priority_preemption",
+                  "priority_aging_s", "interactive_step_ms", "max_queued_requests",
+                  "max_queued_tokens"),
+    "speculative": ("speculative_method", "num_speculative_tokens", "ngram_max", "ngram_min",
+                    "speculative_max_batch", "speculative_min_acceptance"),
+}
+SECTION = {name: section for section, names in LIVE.items() for name in names}
 
-Tenants = dict[str, TenantConfig]
 
-
-def live_values(cfg: SchedulerConfig, tenants: Tenants) -> dict[str, Any]:
-    values: dict[str, Any] = {name: getattr(cfg, name) for name in LIVE}
-    for name, tenant in tenants.items():
+def live_values(cfg: SurgeConfig) -> dict[str, Any]:
+    values: dict[str, Any] = {name: getattr(getattr(cfg, section), name)
+                              for name, section in SECTION.items()}
+    for name, tenant in cfg.tenants.items():
         for field, value in msgspec.to_builtins(tenant).items():
             values[f"tenants.{name}.{field}"] = value
     return values
 
 
-def flatten(cfg: SchedulerConfig, tenants: Tenants) -> dict[str, str]:
+def flatten(cfg: SurgeConfig) -> dict[str, str]:
     """Every live value as the text `set` takes (what a reload hands over)."""
     return {k: str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in live_values(cfg, tenants).items()}
+            for k, v in live_values(cfg).items()}
 
 
-def updated(cfg: SchedulerConfig, tenants: Tenants, values: dict[str, str]
-            ) -> tuple[SchedulerConfig, Tenants] | str:
+def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
     """The configuration with values applied, or why not (then nothing changes)."""
-    own: dict[str, str] = {}
+    own: dict[str, dict[str, str]] = {section: {} for section in LIVE}
     per_tenant: dict[str, dict[str, str]] = {}
     for key, value in values.items():
         section, _, rest = key.partition(".")
@@ -45,34 +50,40 @@ def updated(cfg: SchedulerConfig, tenants: Tenants, values: dict[str, str]
                 return (f"{key}: a tenant has no {field!r}; its fields: "
                         f"{', '.join(TenantConfig.__struct_fields__)}")
             per_tenant.setdefault(name, {})[field] = value
-        elif key in LIVE:
-            own[key] = value
+        elif key in SECTION:
+            own[SECTION[key]][key] = value
         else:
-            known = key in SchedulerConfig.__struct_fields__
+            known = any(key in getattr(cfg, s).__struct_fields__ for s in ("scheduler", "model",
+                                                                            "speculative"))
             return (f"{key} {'needs a restart' if known else 'is not a parameter'}; "
-                    f"live parameters: {', '.join(LIVE)}, tenants.NAME.FIELD")
+                    f"live parameters: {', '.join(SECTION)}, tenants.NAME.FIELD")
     try:
-        new_cfg = msgspec.convert({**msgspec.to_builtins(cfg), **own}, SchedulerConfig,
-                                  strict=False)
-        new_tenants = dict(tenants)
+        sections = {section: msgspec.convert({**msgspec.to_builtins(getattr(cfg, section)),
+                                              **fields}, type(getattr(cfg, section)),
+                                             strict=False)
+                    for section, fields in own.items()}
+        new_tenants = dict(cfg.tenants)
         for name, fields in per_tenant.items():
-            base = msgspec.to_builtins(tenants.get(name) or TenantConfig())
+            base = msgspec.to_builtins(cfg.tenants.get(name) or TenantConfig())
             new_tenants[name] = msgspec.convert({**base, **fields}, TenantConfig, strict=False)
     except msgspec.ValidationError as e:
         return f"invalid value: {e}"
-    return new_cfg, new_tenants
+    speculative: SpeculativeConfig = sections["speculative"]
+    if problem := speculative.problem():
+        return problem
+    return msgspec.structs.replace(cfg, **sections, tenants=new_tenants)
 
 
-def handle(request: AdminRequest, cfg: SchedulerConfig, tenants: Tenants,
-           stats: dict[str, Any]) -> tuple[AdminReply, SchedulerConfig, Tenants]:
+def handle(request: AdminRequest, cfg: SurgeConfig, stats: dict[str, Any]
+           ) -> tuple[AdminReply, SurgeConfig]:
     """The reply, and the configuration from now on."""
     if request.command == "get":
-        return AdminReply(True, "live parameters", live_values(cfg, tenants)), cfg, tenants
+        return AdminReply(True, "live parameters", live_values(cfg)), cfg
     if request.command == "stats":
-        return AdminReply(True, "engine stats", stats), cfg, tenants
+        return AdminReply(True, "engine stats", stats), cfg
     if request.command == "set":
-        new = updated(cfg, tenants, request.values)
+        new = updated(cfg, request.values)
         if isinstance(new, str):
-            return AdminReply(False, new, live_values(cfg, tenants)), cfg, tenants
-        return AdminReply(True, "applied at this step boundary", live_values(*new)), *new
-    return AdminReply(False, f"unknown command {request.command!r}"), cfg, tenants
+            return AdminReply(False, new, live_values(cfg)), cfg
+        return AdminReply(True, "applied at this step boundary", live_values(new)), new
+    return AdminReply(False, f"unknown command {request.command!r}"), cfg

@@ -131,14 +131,26 @@ class BlockManager:
         assert need <= self.num_free, f"{seq} needs {need} blocks, {self.num_free} free"
         seq.block_table.extend(self._fresh_block() for _ in range(need))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens (slots of rejected
+        speculative tokens); they hold no named contents, so they go back unnamed."""
+        keep = self.blocks_for(num_tokens)
+        assert keep >= len(seq.block_hashes), "trimming named blocks"
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; a block nobody holds stays cached if it is named."""
         for block in reversed(seq.block_table):  # the tail is evicted before the shared head
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                if block in self.name_of:
-                    self.evictable[block] = None
-                else:
-                    self.unnamed.append(block)
+            self._release(block)
         seq.block_table = []
         seq.block_hashes = []
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if block in self.name_of:
+                self.evictable[block] = None
+            else:
+                self.unnamed.append(block)

@@ -120,7 +120,8 @@ class SchedulerLoop:
             assert isinstance(msg, WorkerReady), msg
             readies.append(msg)
         num_blocks = min(r.num_blocks for r in readies)
-        self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants)
+        self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
+                                   speculative=self.cfg.speculative)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
                             description=readies[0].description)
         self.outputs.send(encode(ready))
@@ -155,9 +156,10 @@ class SchedulerLoop:
         inflight: deque[StepPlan] = deque()
         while True:
             # Live (admin set); one step at a time while urgent arrivals must not wait for
-            # a step planned ahead of them.
+            # a step planned ahead of them, and while proposals need the last tokens.
+            sched = self.scheduler
             depth = 2 if self.cfg.scheduler.async_scheduling and \
-                not (self.scheduler and self.scheduler.interactive()) else 1
+                not (sched and (sched.interactive() or sched.speculating())) else 1
             try:
                 self._step(inflight, depth)
             except (WorkerLost, RingClosed) as e:
@@ -205,12 +207,11 @@ class SchedulerLoop:
         """Between two steps, so a change applies atomically to the next step on."""
         assert self.scheduler is not None
         request = msgspec.msgpack.decode(self.admin.recv(), type=AdminRequest)
-        reply, new, tenants = admin.handle(request, self.cfg.scheduler, self.cfg.tenants,
-                                           self._stats_dict())
-        if new is not self.cfg.scheduler or tenants is not self.cfg.tenants:
+        reply, new = admin.handle(request, self.cfg, self._stats_dict())
+        if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
-            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new, tenants=tenants)
-            self.scheduler.configure(new, tenants)
+            self.cfg = new
+            self.scheduler.configure(new.scheduler, new.tenants, new.speculative)
         self.admin.send(encode(reply))
 
     def _gather_batch(self) -> None:
@@ -249,7 +250,10 @@ class SchedulerLoop:
             preemptions=sched.num_preemptions, steps=self.steps,
             scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
             worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s,
-            worker_forward_s=self.worker_forward_s)
+            worker_forward_s=self.worker_forward_s,
+            spec_proposed_tokens=sched.spec.proposed_tokens,
+            spec_accepted_tokens=sched.spec.accepted_tokens,
+            spec_verifications=sched.spec.verifications)
 
     def _stats_dict(self) -> dict[str, Any]:
         stats = msgspec.to_builtins(self._stats())
@@ -275,11 +279,20 @@ class SchedulerLoop:
         metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_free)
         metrics.kv_blocks_total.set(blocks.num_blocks)
         exported = self._exported
+        spec = sched.spec
         totals = {"queried": blocks.queried_tokens, "hits": blocks.hit_tokens,
-                  "preemptions": sched.num_preemptions}
-        metrics.prefix_queries.inc(totals["queried"] - exported.get("queried", 0))
-        metrics.prefix_hits.inc(totals["hits"] - exported.get("hits", 0))
-        metrics.preemptions.inc(totals["preemptions"] - exported.get("preemptions", 0))
+                  "preemptions": sched.num_preemptions, "proposed": spec.proposed_tokens,
+                  "accepted": spec.accepted_tokens, "verifications": spec.verifications}
+        for name, counter in (("queried", metrics.prefix_queries),
+                              ("hits", metrics.prefix_hits),
+                              ("preemptions", metrics.preemptions),
+                              ("proposed", metrics.spec_proposed),
+                              ("accepted", metrics.spec_accepted),
+                              ("verifications", metrics.spec_verifications)):
+            counter.inc(totals[name] - exported.get(name, 0))
+        if spec.proposed_tokens:
+            metrics.spec_acceptance.set(spec.accepted_tokens / spec.proposed_tokens)
+            metrics.spec_accepted_length.set(spec.accepted_tokens / spec.verifications + 1)
         for (tenant, limit), count in sched.admission.rejected.items():
             totals[f"rejected {tenant} {limit}"] = count
             metrics.rejected.labels(tenant, limit).inc(
@@ -294,8 +307,8 @@ class SchedulerLoop:
 
     def _export_limits(self) -> None:
         cfg = self.cfg
-        for name in admin.LIVE:
-            value = getattr(cfg.scheduler, name)
+        for name, section in admin.SECTION.items():
+            value = getattr(getattr(cfg, section), name)
             if not isinstance(value, str):
                 metrics.live_parameter.labels(name).set(float(value))
         for name in ("fcfs", "priority", "sjf"):

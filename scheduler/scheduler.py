@@ -9,6 +9,7 @@ later step after every earlier step has finished with it.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import random
 import time
@@ -20,7 +21,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.cost import StepCost
 from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
-from surge.config import SchedulerConfig, TenantConfig
+from scheduler.speculation import Speculation
+from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
     EngineRequest,
@@ -38,7 +40,8 @@ _MIXED_WINDOW_S = 10.0  # how recently a second priority class must have arrived
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, num_blocks: int,
                  tenants: dict[str, TenantConfig] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
@@ -54,13 +57,16 @@ class Scheduler:
         self.cost = StepCost()
         self._classes_seen: dict[int, float] = {}  # priority -> its latest arrival
         self.queue_waits: list[float] = []  # arrival to first step, drained by the loop
+        self.spec = Speculation(speculative or SpeculativeConfig())
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig]) -> None:
+    def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
+                  speculative: SpeculativeConfig) -> None:
         """Live parameters, applied between two steps."""
         self.cfg = cfg
+        self.spec.cfg = speculative
         self.blocks.prefix_cache = cfg.prefix_cache
         self.admission.configure(cfg, tenants, self.clock())
 
@@ -167,6 +173,7 @@ class Scheduler:
         from the prefix cache, if its blocks survive). Its arrival keeps its place in line."""
         self._stop(seq, Status.WAITING)
         seq.num_computed_tokens = 0
+        seq.draft = []
         self.waiting.add(seq)
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
@@ -180,6 +187,7 @@ class Scheduler:
         for seq in self.waiting:
             seq.num_computed_tokens = 0
             seq.num_pending = 0
+            seq.draft, seq.spec_inflight = [], False
         self.blocks.forget_contents()
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
@@ -187,6 +195,11 @@ class Scheduler:
         now = self.clock()
         return max(reversed(candidates), key=lambda s: (urgency(s, self.cfg, now)[0],
                                                         s.arrival_time))
+
+    def speculating(self) -> bool:
+        """Whether the next step may carry proposals; then it must not be planned before the
+        previous one's tokens are known (see Speculation)."""
+        return self.spec.active(self.running, self._next_step_id)
 
     def interactive(self) -> bool:
         """Whether steps are kept short for urgent arrivals (see interactive_step_ms)."""
@@ -240,11 +253,12 @@ class Scheduler:
         chosen: list[ScheduledSeq] = []
         if self.cfg.policy == "priority" and self.cfg.priority_preemption and self.waiting:
             self._preempt_for_urgent(seats)
+        speculate = self.speculating()
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or not seq.wants_more:
+            if seq.status is not Status.RUNNING or not seq.wants_more or seq.spec_inflight:
                 continue
             n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if n == 0:
@@ -258,9 +272,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.blocks.allocate(seq, need)
-                chosen.append(self._scheduled(seq, n))
-                budget -= n
+                drafts, propose = self._speculation(seq, n, budget) if speculate else ([], 0)
+                self.blocks.allocate(seq, need + len(drafts) + propose)
+                chosen.append(self._scheduled(seq, n, drafts, propose))
+                budget -= n + len(drafts)
         for seq in self._admission_order(seats):
             if budget == 0 or len(self.running) >= seats:
                 break
@@ -298,51 +313,99 @@ class Scheduler:
                    if 0.5 <= s.num_tokens / head.num_tokens <= 2.0]
         return iter([head, *similar])
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _speculation(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int]:
+        """Tokens for seq to verify after its n, and how many the draft model should propose
+        after this step; none where the KV cache has no spare room (they never preempt)."""
+        ends = seq.num_computed_tokens + n == seq.num_tokens  # samples, last token known
+        if not ends or not self.spec.eligible(seq, self._next_step_id):
+            return [], 0
+        seq.spec_attempted = True
+        drafts = self.spec.proposal(seq, min(budget - n, seq.remaining_output - 1))
+        propose = self.spec.cfg.num_speculative_tokens * (
+            self.spec.cfg.speculative_method == "draft")
+        if self.blocks.blocks_needed(seq, seq.num_computed_tokens + n + len(drafts) + propose) \
+                > self.blocks.num_free:
+            seq.spec_attempted = False
+            return [], 0
+        return drafts, propose
+
+    def _scheduled(self, seq: Sequence, n: int, drafts: list[int] | None = None,
+                   propose: int = 0) -> ScheduledSeq:
+        drafts = drafts or []
         start = seq.num_computed_tokens
         tokens = seq.token_ids[start : start + n]
         tokens += [PREVIOUS_TOKEN] * (n - len(tokens))
         seq.num_computed_tokens += n
-        seq.tenant.serve(n)
+        seq.tenant.serve(n + len(drafts))
         sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
         # The index, among the outputs, of the token this step samples.
         output_index = seq.num_output_tokens + seq.num_pending
         seq.num_pending += sample
         self.blocks.name_full_blocks(seq)
+        # The proposals' slots are written too; update() takes back those rejected.
+        seq.num_computed_tokens += len(drafts)
+        seq.spec_inflight = bool(drafts or propose)
+        seq.draft = []  # proposals are for the step right after the one that made them
         params = seq.sampling
         return ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=tokens, start_pos=start,
+            seq_id=seq.seq_id, token_ids=tokens + drafts, start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=params, seed=seq.seed,
             ban_stop_tokens=sample and output_index < params.min_tokens,
             history=list(seq.token_ids) if sample and params.uses_penalties else None,
-            num_prompt_tokens=seq.num_prompt_tokens)
+            num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Append each sampled token, apply the stop checks, free what finished."""
+        """Append each sequence's new tokens (with proposals, those accepted and one more),
+        apply the stop checks, take back rejected proposals' slots, free what finished."""
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
+        accepted = iter(result.num_accepted or itertools.repeat(0))
+        drafts = iter(result.drafts or itertools.repeat([]))
         outputs = []
         now = self.clock()
         for item in plan.seqs:
             if not item.sample:
                 continue
-            token, token_logprobs = next(sampled), next(logprobs)
+            num_accepted, draft = next(accepted), next(drafts)
+            tokens = list(islice(sampled, num_accepted + 1))
+            token_logprobs = list(islice(logprobs, num_accepted + 1))
             seq = self.seqs.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
-            seq.token_ids.append(token)
             seq.num_pending -= 1
-            seq.tenant.tokens.take(1, now)
+            self._settle_speculation(seq, item, num_accepted, draft, plan.step_id)
             reason = None
-            if token in seq.sampling.stop_token_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= seq.sampling.max_tokens:
-                reason = "length"
+            for n, token in enumerate(tokens, 1):
+                seq.token_ids.append(token)
+                if token in seq.sampling.stop_token_ids:
+                    reason = "stop"
+                elif seq.num_output_tokens >= seq.sampling.max_tokens:
+                    reason = "length"
+                if reason:
+                    del tokens[n:], token_logprobs[n:]
+                    break
+            seq.tenant.tokens.take(len(tokens), now)
             if reason:
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
-            outputs.append(RequestOutput(seq.request_id, [token], reason, None,
-                                         None if token_logprobs is None else [token_logprobs]))
+            outputs.append(RequestOutput(seq.request_id, tokens, reason, None,
+                                         None if token_logprobs[0] is None else token_logprobs))
         return outputs
+
+    def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, num_accepted: int,
+                            draft: list[int], step: int) -> None:
+        """Roll seq back to its accepted tokens, keep the draft model's next proposals."""
+        if seq.spec_attempted:
+            seq.spec_attempted = False
+            self.spec.record(seq, item.num_draft, num_accepted, step)
+        if not (item.num_draft or item.propose):
+            return
+        seq.spec_inflight = False
+        if seq.status is not Status.RUNNING:
+            return  # preempted meanwhile: it starts over from its tokens
+        seq.draft = draft
+        seq.num_computed_tokens -= item.num_draft - num_accepted
+        if not seq.num_pending:  # no later step holds its table
+            self.blocks.trim(seq, seq.num_computed_tokens)

@@ -36,6 +36,12 @@ class Sequence:
         self.deadline = deadline  # when it must have started by, else it ends with an error
         self.first_scheduled: float | None = None
         self.status = Status.WAITING
+        # Speculative decoding (see scheduler.speculation).
+        self.draft: list[int] = []  # the draft model's proposals for the next step
+        self.spec_inflight = False  # a step in flight verifies or proposes: its length unknown
+        self.spec_attempted = False  # a step in flight was one where it could propose
+        self.spec_score = 1.0  # recent share of proposals accepted
+        self.spec_paused_until = 0  # step id before which it does not speculate
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ import urllib.request
 import msgspec
 import zmq
 
+from surge.config import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
 from surge.runtime import find_server
@@ -47,7 +48,7 @@ def _pairs(values: list[str]) -> dict[str, str]:
 
 
 def _persist(runtime_dir: str, values: dict[str, object]) -> str:
-    """Write values into the server's config file ([scheduler], or [tenants.NAME])."""
+    """Write values into the server's config file (their own section, or [tenants.NAME])."""
     try:
         with open(os.path.join(runtime_dir, "config")) as f:
             path = f.read()
@@ -61,7 +62,7 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
             name, _, field = key.removeprefix("tenants.").rpartition(".")
             data.setdefault("tenants", {}).setdefault(name, {})[field] = value
         else:
-            data.setdefault("scheduler", {})[key] = value
+            data.setdefault(section_of(key), {})[key] = value
     with open(path, "w") as f:
         f.write(_toml(data))
     return path

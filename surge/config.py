@@ -147,6 +147,56 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 1_048_576
 
 
+class SpeculativeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    speculative_method: Annotated[
+        Literal["off", "ngram", "draft"],
+        Meta(description="propose tokens for the model to verify in one forward: ngram "
+             "(prompt lookup in the prompt and output so far) or draft (a small model, "
+             "--draft-model / --draft-layers); off: one token per step"),
+    ] = "off"
+    num_speculative_tokens: Annotated[
+        int, Meta(ge=1, le=16, description="tokens proposed per sequence and step")
+    ] = 4
+    ngram_max: Annotated[
+        int, Meta(ge=1, description="longest suffix of the sequence looked up (ngram)")
+    ] = 4
+    ngram_min: Annotated[
+        int, Meta(ge=1, description="shortest suffix looked up before giving up (ngram)")
+    ] = 2
+    draft_model: Annotated[
+        str | None, Meta(description="the draft: a .gguf file, a Hugging Face folder or "
+                         "'default', with the target's vocabulary (unset: the target itself, "
+                         "cut to --draft-layers)")
+    ] = None
+    draft_layers: Annotated[
+        int, Meta(ge=0, description="keep only the draft's first N layers (plus its final "
+                  "norm and head); 0: all of them")
+    ] = 0
+    speculative_max_batch: Annotated[
+        int, Meta(ge=0, description="speculate only while at most this many sequences decode "
+                  "(larger batches are compute-bound, where verifying rejected tokens costs "
+                  "more than it saves)")
+    ] = 8
+    speculative_min_acceptance: Annotated[
+        float, Meta(ge=0, le=1, description="a sequence whose recent share of accepted "
+                    "proposals falls below this pauses speculating for a while")
+    ] = 0.3
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether the workers load a draft model (then 'draft' can be switched on live)."""
+        return self.draft_model is not None or self.draft_layers > 0
+
+    def problem(self) -> str | None:
+        """What makes this combination unusable, if anything (checked at start and on set)."""
+        if self.speculative_method == "draft" and not self.has_draft:
+            return ("speculative_method=draft needs a draft loaded at start: give "
+                    "--draft-model PATH or --draft-layers N (the target's first N layers)")
+        if self.ngram_min > self.ngram_max:
+            return f"ngram_min={self.ngram_min} is above ngram_max={self.ngram_max}"
+        return None
+
+
 class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     """One [tenants.NAME] table; a tenant without one gets these defaults. 0 means no limit."""
 
@@ -175,6 +225,7 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}
@@ -254,9 +305,17 @@ def load_config(
         if flags.get(name) is not None:
             merged[section][name] = flags[name]
     try:
-        return msgspec.convert(merged, SurgeConfig, strict=False)
+        cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid configuration: {e}") from e
+    if problem := cfg.speculative.problem():
+        raise ConfigError(problem)
+    return cfg
+
+
+def section_of(option: str) -> str:
+    """The config section an option belongs to (KeyError: no such option)."""
+    return _options()[option][0]
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

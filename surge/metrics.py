@@ -54,8 +54,18 @@ tenant_served = Counter("surge_tenant_served_tokens", "prompt and generated toke
 tenant_limit = Gauge("surge_tenant_limit", "each tenant's weight, default priority, quotas, "
                      "rates and timeout (0: none)", ["tenant", "limit"],
                      multiprocess_mode="livemax")
-live_parameter = Gauge("surge_live_parameter", "the scheduler's live numeric parameters "
+live_parameter = Gauge("surge_live_parameter", "the live numeric parameters "
                        "(booleans as 0/1)", ["name"], multiprocess_mode="livemax")
+spec_proposed = Counter("surge_spec_proposed_tokens", "speculative tokens proposed for "
+                        "verification")
+spec_accepted = Counter("surge_spec_accepted_tokens", "speculative tokens the model accepted")
+spec_verifications = Counter("surge_spec_verifications", "sequence-steps that verified "
+                             "proposals")
+spec_acceptance = Gauge("surge_spec_acceptance_rate", "accepted / proposed tokens since start",
+                        multiprocess_mode="livemax")
+spec_accepted_length = Gauge("surge_spec_mean_accepted_length", "tokens gained per "
+                             "verification: accepted ones plus the model's own",
+                             multiprocess_mode="livemax")
 policy = Gauge("surge_scheduling_policy", "1 for the policy in force", ["policy"],
                multiprocess_mode="livemax")
 

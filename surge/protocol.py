@@ -94,6 +94,9 @@ class EngineStats(Struct, tag=True, kw_only=True):
     worker_compute_s: float
     worker_wait_s: float
     worker_forward_s: float = 0.0
+    spec_proposed_tokens: int = 0  # speculative tokens sent for verification
+    spec_accepted_tokens: int = 0  # of which the model agreed with
+    spec_verifications: int = 0  # sequence-steps that verified proposals
 
 
 class EngineReady(Struct, tag=True, kw_only=True):
@@ -117,13 +120,19 @@ class ScheduledSeq(Struct, array_like=True):
     token_ids: list[int]  # the tokens this step feeds, starting at position start_pos
     start_pos: int
     block_table: list[int]
-    sample: bool  # this chunk reaches the sequence's last token, so a new token is sampled
+    # This chunk reaches the sequence's last token, so a new token is sampled (with num_draft,
+    # one per proposed token plus one).
+    sample: bool
     sampling: SamplingParams
     seed: int
     ban_stop_tokens: bool = False  # min_tokens not reached yet
     # With penalties: every token known before start_pos, and how many of them are the prompt.
     history: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Speculative decoding: the last num_draft token_ids are proposals, verified in this step;
+    # after it, the worker's draft model proposes `propose` tokens for the next one.
+    num_draft: int = 0
+    propose: int = 0
 
 
 class StepPlan(Struct, tag=True):
@@ -147,8 +156,12 @@ class WorkerReady(Struct, tag=True, kw_only=True):
 
 class StepResult(Struct, tag=True):
     step_id: int
-    sampled_token_ids: list[int]  # one per ScheduledSeq with sample=True, in plan order
-    logprobs: list[TokenLogprobs | None] = []  # likewise, where asked for (empty: nobody did)
+    # The new tokens of each ScheduledSeq with sample=True, in plan order: one each, or with
+    # proposals, the num_accepted[i] accepted ones and then the model's own next token.
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []  # one per new token, where asked (empty: nobody)
+    num_accepted: list[int] = []  # one per sampling ScheduledSeq (empty: nobody proposed)
+    drafts: list[list[int]] = []  # likewise, the draft model's proposals for the next step
     compute_s: float = 0.0  # the worker's time on this step
     forward_s: float = 0.0  # of which the model forward (see ModelRunner.forward_s)
     wait_s: float = 0.0  # how long the worker waited for this plan after the previous step

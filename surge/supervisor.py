@@ -164,10 +164,11 @@ class Supervisor:
         except ConfigError as e:
             log.error("reload refused, nothing changed: %s", e)
             return
-        reply = ask(self.channels.admin, "set", flatten(new.scheduler, new.tenants))
+        reply = ask(self.channels.admin, "set", flatten(new))
         if reply.ok:
             log.info("reloaded: %s", reply.values)
             self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
+                                               speculative=new.speculative,
                                                tenants=new.tenants)
         else:
             log.error("reload refused, nothing changed: %s", reply.message)

@@ -9,7 +9,7 @@ import torch
 
 from gpu_workers.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
-from surge.config import SchedulerConfig
+from surge.config import SchedulerConfig, SpeculativeConfig
 from surge.protocol import EngineRequest, SamplingParams, StepPlan, StepResult
 
 
@@ -18,27 +18,29 @@ class InProcessEngine:
     scheduler loop does with async_scheduling."""
 
     def __init__(self, model, num_blocks: int = 512, depth: int = 1, graphs_max_batch: int = 0,
+                 speculative: SpeculativeConfig | None = None, draft=None,
                  **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
-        self.scheduler = Scheduler(cfg, num_blocks)
+        self.scheduler = Scheduler(cfg, num_blocks, speculative=speculative)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
-                                  model.embed.weight.dtype, graphs_max_batch=graphs_max_batch)
+                                  model.embed.weight.dtype, graphs_max_batch=graphs_max_batch,
+                                  draft=draft)
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *,
             temperature: float = 0.0, seed: int | None = None,
-            stop_token_ids: list[int] | None = None) -> None:
+            stop_token_ids: list[int] | None = None, **sampling) -> None:
         error = self.scheduler.add(EngineRequest(
             request_id=request_id, prompt_token_ids=prompt, arrival_time=time.time(),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                    stop_token_ids=stop_token_ids or [])))
+                                    stop_token_ids=stop_token_ids or [], **sampling)))
         assert error is None, error
 
     def _run_plan(self, plan: StepPlan) -> StepResult:
         names = {s.seq_id: s.request_id for s in self.scheduler.seqs.values()}
         started = time.perf_counter()
-        result = StepResult(plan.step_id, *self.runner.run(plan))
+        result = self.runner.run(plan)
         decoding = [names[s.seq_id] for s in plan.seqs if len(s.token_ids) == 1]
         self.step_times.append((time.perf_counter() - started, decoding))
         return result
@@ -48,12 +50,13 @@ class InProcessEngine:
         tokens: dict[str, list[int]] = {}
         inflight: deque[tuple[StepPlan, StepResult]] = deque()
         while self.scheduler.has_work() or inflight:
-            plan = self.scheduler.schedule() if len(inflight) < self.depth else None
+            depth = 1 if self.scheduler.speculating() else self.depth  # as the loop does
+            plan = self.scheduler.schedule() if len(inflight) < depth else None
             if plan is not None:
                 inflight.append((plan, self._run_plan(plan)))
             elif not inflight:
                 raise AssertionError("work is queued but nothing could be scheduled")
-            if plan is None or len(inflight) == self.depth:
+            if plan is None or len(inflight) >= depth:
                 for out in self.scheduler.update(*inflight.popleft()):
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens

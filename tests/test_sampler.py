@@ -25,7 +25,7 @@ def _batch(params: list[SamplingParams], histories=None, positions=None, seeds=N
 
 def test_temperature_zero_is_argmax():
     logits = torch.randn(5, V)
-    tokens, logprobs = sample(logits, _batch([SamplingParams(max_tokens=1, temperature=0)] * 5))
+    tokens, _, logprobs = sample(logits, _batch([SamplingParams(max_tokens=1, temperature=0)] * 5))
     assert tokens.tolist() == logits.argmax(-1).tolist() and logprobs == []
 
 
@@ -43,7 +43,7 @@ def test_noise_is_a_pure_function_of_seed_and_position():
 
 def _frequencies(logits: torch.Tensor, params: SamplingParams, n: int = 10_000) -> torch.Tensor:
     batch = _batch([params] * n, positions=list(range(n)), seeds=[1234] * n)
-    tokens, _ = sample(logits.expand(n, -1).clone(), batch)
+    tokens, _, _ = sample(logits.expand(n, -1).clone(), batch)
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / n
 
 
@@ -79,10 +79,10 @@ def test_penalties_bias_and_banned_stop_tokens():
         SamplingParams(max_tokens=1, temperature=0, repetition_penalty=1.2),  # 1/1.2 < .9
         SamplingParams(max_tokens=1, temperature=0, logit_bias={9: 5.0}),
     ]
-    tokens, _ = sample(logits, _batch(rows, histories=[history] * 3 + [None]))
+    tokens, _, _ = sample(logits, _batch(rows, histories=[history] * 3 + [None]))
     assert tokens.tolist() == [8, 7, 8, 9]
     banned = SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[7], min_tokens=2)
-    tokens, _ = sample(logits[:2], _batch([banned, banned], ban=[True, False]))
+    tokens, _, _ = sample(logits[:2], _batch([banned, banned], ban=[True, False]))
     assert tokens.tolist() == [8, 7]
 
 
@@ -90,7 +90,7 @@ def test_logprobs_are_the_models_own():
     logits = torch.randn(3, V)
     rows = [SamplingParams(max_tokens=1, temperature=0, logprobs=k) for k in (None, 0, 3)]
     rows[2].repetition_penalty = 2.0  # penalties change the choice, never the reported logprobs
-    tokens, logprobs = sample(logits, _batch(rows, histories=[None, None, [1, 2, 3]]))
+    tokens, _, logprobs = sample(logits, _batch(rows, histories=[None, None, [1, 2, 3]]))
     assert logprobs[0] is None
     ref = torch.log_softmax(logits, -1)
     assert logprobs[1].logprob == pytest.approx(ref[1, tokens[1]].item(), abs=1e-5)
@@ -107,7 +107,7 @@ def test_degenerate_rows_fall_back_to_greedy():
     rows = [SamplingParams(max_tokens=1, temperature=1e-30),
             SamplingParams(max_tokens=1, temperature=1.0, top_k=1),
             SamplingParams(max_tokens=5, temperature=1.0, stop_token_ids=[4], min_tokens=1)]
-    tokens, _ = sample(logits, _batch(rows, ban=[False, False, True]))
+    tokens, _, _ = sample(logits, _batch(rows, ban=[False, False, True]))
     assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
     assert 0 <= int(tokens[2]) < V  # every token masked: no NaN, a valid id
 

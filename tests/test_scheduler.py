@@ -14,7 +14,7 @@ from scheduler.block_manager import BlockManager, block_hash
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.tenants import Tenant
-from surge.config import SchedulerConfig, TenantConfig
+from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import PREVIOUS_TOKEN, EngineRequest, SamplingParams, StepPlan, StepResult
 
 EOS = 2
@@ -32,12 +32,13 @@ def next_token(seq_id: int, position: int, eos_every: int) -> int:
     """The fake model's output: fixed by sequence and position; EOS now and then."""
     if eos_every and (seq_id + position) % eos_every == 0:
         return EOS
-    return 3 + (seq_id * 31 + position * 7) % 40
+    return 3 + (seq_id * 31 + position * 7) % 9  # repeats: n-gram proposals can be right
 
 
 class FakeWorker:
     """Runs plans in order like the real worker: writes each fed token into its KV slot, then
-    checks that every position the sequence attends to holds that sequence's true token."""
+    checks that every position the sequence attends to holds that sequence's true token. A
+    proposed token is accepted when it is the true one (greedy verification)."""
 
     def __init__(self, block_size: int, eos_every: int) -> None:
         self.bs = block_size
@@ -46,32 +47,40 @@ class FakeWorker:
         self.truth: dict[int, list[int]] = {}  # seq_id -> every token it has been fed or sampled
         self.last_sampled: dict[int, int] = {}
 
+    def _true(self, seq_id: int, pos: int) -> int:
+        truth = self.truth[seq_id]
+        if len(truth) == pos:
+            truth.append(next_token(seq_id, pos, self.eos_every))
+        return truth[pos]
+
     def run(self, plan: StepPlan) -> StepResult:
-        sampled = []
+        sampled, num_accepted = [], []
         for item in plan.seqs:
             truth = self.truth[item.seq_id]
+            known = len(item.token_ids) - item.num_draft
             for i, token in enumerate(item.token_ids):
                 pos = item.start_pos + i
                 if token == PREVIOUS_TOKEN:
                     token = self.last_sampled[item.seq_id]
-                assert token == truth[pos], f"seq {item.seq_id} fed a wrong token at {pos}"
+                if i < known:
+                    assert token == truth[pos], f"seq {item.seq_id} fed a wrong token at {pos}"
                 self.slots[item.block_table[pos // self.bs] * self.bs + pos % self.bs] = token
         for item in plan.seqs:  # attention reads after every write of the step, as on the device
-            end = item.start_pos + len(item.token_ids)
-            truth = self.truth[item.seq_id]
-            for pos in range(end):
+            end = item.start_pos + len(item.token_ids) - item.num_draft
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
+            accepted = 0
+            while accepted < len(drafts) and \
+                    drafts[accepted] == self._true(item.seq_id, end + accepted):
+                accepted += 1
+            for pos in range(end + accepted):
                 slot = item.block_table[pos // self.bs] * self.bs + pos % self.bs
-                assert self.slots.get(slot) == truth[pos], \
+                assert self.slots.get(slot) == self.truth[item.seq_id][pos], \
                     f"seq {item.seq_id} reads a wrong K/V at position {pos}"
             if item.sample:
-                token = next_token(item.seq_id, end, self.eos_every)
-                if len(truth) == end:
-                    truth.append(token)
-                assert truth[end] == token
-                sampled.append(token)
-        self.last_sampled = {s.seq_id: t for s, t in
-                             zip([s for s in plan.seqs if s.sample], sampled, strict=True)}
-        return StepResult(plan.step_id, sampled)
+                sampled += [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
+                num_accepted.append(accepted)
+                self.last_sampled[item.seq_id] = sampled[-1]
+        return StepResult(plan.step_id, sampled, num_accepted=num_accepted)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -122,23 +131,38 @@ def test_block_manager_basics():
 prefixes = [[5 + (i * 13 + k) % 30 for i in range(40)] for k in range(3)]
 prompts = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)).map(
     lambda t: prefixes[t[0]][: t[1]] + [40 + t[2]] * (t[2] % 5 + 1))
-actions = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), prompts, st.integers(1, 20), st.integers(0, 2)),
+def _actions(max_tokens: int) -> st.SearchStrategy:
+    return st.lists(st.one_of(
+        st.tuples(st.just("add"), prompts, st.integers(1, max_tokens), st.integers(0, 2)),
         st.tuples(st.just("step"), st.none(), st.none(), st.none()),
         st.tuples(st.just("abort"), st.none(), st.integers(0, 30), st.none()),
         st.tuples(st.just("worker lost"), st.none(), st.none(), st.none()),
-    ),
-    max_size=60,
-)
+    ), max_size=60)
 
 
 @settings(max_examples=1500, deadline=None)
-@given(actions, st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
+@given(_actions(20), st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
        st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans(),
        st.sampled_from(["fcfs", "priority", "sjf"]))
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
                               eos_every, bucketing, policy):
+    drive(actions, num_blocks, max_seqs, budget, prefix_cache, depth, eos_every, bucketing,
+          policy, "off")
+
+
+@settings(max_examples=600, deadline=None)
+@given(_actions(60), st.integers(12, 60), st.integers(1, 8), st.integers(4, 64), st.booleans(),
+       st.sampled_from([1, 2]), st.sampled_from([0, 23]))
+def test_scheduler_invariants_with_speculation(actions, num_blocks, max_seqs, budget,
+                                               prefix_cache, depth, eos_every):
+    """The fake model's tokens repeat every 9 positions, so n-gram proposals are sometimes
+    right, sometimes wrong and rolled back; outputs stay the true tokens."""
+    drive(actions, num_blocks, max_seqs, budget, prefix_cache, depth, eos_every, False,
+          "priority", "ngram")
+
+
+def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bool, depth: int,
+          eos_every: int, bucketing: bool, policy: str, speculation: str) -> None:
     bs = 4
     clock = [0.0]
     # Requests of priority p belong to tenant p (weights 1, 2, 3): fair sharing, priority
@@ -148,7 +172,10 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
                                       length_bucketing=bucketing, policy=policy,
                                       priority_aging_s=1.0),
                       num_blocks, {str(p): TenantConfig(weight=p + 1) for p in range(3)},
-                      clock=lambda: clock[0])
+                      clock=lambda: clock[0],
+                      speculative=SpeculativeConfig(speculative_method=speculation, ngram_min=1,
+                                                    speculative_max_batch=8,
+                                                    speculative_min_acceptance=0.0))
     worker = FakeWorker(bs, eos_every)
     inflight: deque[tuple[StepPlan, StepResult]] = deque()
     outputs: dict[str, list[int]] = {}
@@ -201,6 +228,7 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
             inflight.clear()
             worker.last_sampled = {}
             sched.restart()
+            assert not any(s.spec_inflight or s.draft for s in sched.requests.values())
             assert not sched.running and sched.blocks.num_free == num_blocks
             assert not sched.blocks.by_hash
         elif kind == "abort" and accepted:
@@ -217,6 +245,9 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"worker lost: {any(a[0] == 'worker lost' for a in actions)}")
     event(f"prefix hits: {sched.blocks.hit_tokens > 0}")
+    spec = sched.spec
+    event(f"proposals accepted: {spec.accepted_tokens > 0}")
+    event(f"proposals rejected: {spec.accepted_tokens < spec.proposed_tokens}")
     assert sorted(ended) == sorted(accepted)
     assert sched.blocks.num_free == num_blocks
     for rid in accepted:

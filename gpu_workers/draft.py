@@ -1,0 +1,61 @@
+"""The draft model of speculative decoding, on the worker.
+
+It runs every step's tokens exactly as the target does, into a KV cache of its own laid out by
+the same block tables, so it knows every position the target knows. After the target has
+verified a step, it proposes the next tokens for each sequence that asks: greedily, one decode
+step at a time from the sequence's newest token. A greedy (one-hot) proposal keeps the sampler's
+verification exact for any temperature (see sampler.sample).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from torch import nn
+
+from gpu_workers.llama import AttentionMetadata, LlamaModel
+
+
+def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
+    """model's first num_layers layers with its embedding, final norm and head: the same
+    weights, not a copy."""
+    if not 0 < num_layers <= model.cfg.num_layers:
+        raise ValueError(f"draft_layers={num_layers}: the draft has {model.cfg.num_layers} "
+                         f"layers; give 1 to {model.cfg.num_layers} (0: all)")
+    with torch.device("meta"):
+        draft = LlamaModel(msgspec.structs.replace(model.cfg, num_layers=num_layers), model.tp)
+    draft.embed, draft.norm, draft.lm_head = model.embed, model.norm, model.lm_head
+    draft.layers = nn.ModuleList(model.layers[:num_layers])
+    draft.rope = model.rope
+    return draft
+
+
+class DraftModel:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.no_prefill = torch.zeros(1, dtype=torch.int64, device=kv_cache.device)
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> None:
+        """The step's tokens through the draft, for its KV cache (no logits needed)."""
+        self.model(input_ids, positions, meta, self.kv_cache)
+
+    def propose(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                k: int) -> torch.Tensor:
+        """[S, k] greedy proposals following tokens[i], the token at positions[i] of sequence
+        i (block table tables[i], with slots for k positions from there)."""
+        bs, proposals = self.block_size, []
+        for _ in range(k):
+            slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+            meta = AttentionMetadata(
+                slot_mapping=slots, num_decode=len(tokens), decode_block_tables=tables,
+                decode_context_lens=positions + 1, prefill_block_tables=tables[:0],
+                prefill_query_start=self.no_prefill, prefill_context_lens=positions[:0],
+                prefill_max_query_len=0)
+            hidden = self.model(tokens, positions, meta, self.kv_cache)
+            tokens = self.model.logits(hidden).argmax(dim=-1)
+            proposals.append(tokens)
+            positions = positions + 1
+        return torch.stack(proposals, dim=1)
