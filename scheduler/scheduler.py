@@ -319,13 +319,11 @@ class Scheduler:
         ends = seq.num_computed_tokens + n == seq.num_tokens  # samples, last token known
         if not ends or not self.spec.eligible(seq, self._next_step_id):
             return [], 0
-        seq.spec_attempted = True
         drafts = self.spec.proposal(seq, min(budget - n, seq.remaining_output - 1))
         propose = self.spec.cfg.num_speculative_tokens * (
             self.spec.cfg.speculative_method == "draft")
         if self.blocks.blocks_needed(seq, seq.num_computed_tokens + n + len(drafts) + propose) \
                 > self.blocks.num_free:
-            seq.spec_attempted = False
             return [], 0
         return drafts, propose
 
@@ -374,7 +372,8 @@ class Scheduler:
             if seq is None:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1
-            self._settle_speculation(seq, item, num_accepted, draft, plan.step_id)
+            self._settle_speculation(seq, item, num_accepted, draft, plan.step_id,
+                                     len(plan.seqs))
             reason = None
             for n, token in enumerate(tokens, 1):
                 seq.token_ids.append(token)
@@ -395,11 +394,10 @@ class Scheduler:
         return outputs
 
     def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, num_accepted: int,
-                            draft: list[int], step: int) -> None:
+                            draft: list[int], step: int, batch: int) -> None:
         """Roll seq back to its accepted tokens, keep the draft model's next proposals."""
-        if seq.spec_attempted:
-            seq.spec_attempted = False
-            self.spec.record(seq, item.num_draft, num_accepted, step)
+        if item.num_draft:
+            self.spec.record(seq, item.num_draft, num_accepted, step, batch)
         if not (item.num_draft or item.propose):
             return
         seq.spec_inflight = False

@@ -39,7 +39,6 @@ class Sequence:
         # Speculative decoding (see scheduler.speculation).
         self.draft: list[int] = []  # the draft model's proposals for the next step
         self.spec_inflight = False  # a step in flight verifies or proposes: its length unknown
-        self.spec_attempted = False  # a step in flight was one where it could propose
         self.spec_score = 1.0  # recent share of proposals accepted
         self.spec_paused_until = 0  # step id before which it does not speculate
 

@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
             # Devices and the number of ranks are settled before any worker touches CUDA.
             cfg = msgspec.structs.replace(cfg, model=resolve(cfg.model))
+            if cfg.speculative.has_draft and cfg.model.tensor_parallel_size > 1:
+                raise ConfigError("a draft model runs with one rank only: drop --draft-model "
+                                  "and --draft-layers (n-gram speculation works with any "
+                                  "--tensor-parallel-size)")
         except ConfigError as e:
             print(f"surge: {e}", file=sys.stderr)
             return 2

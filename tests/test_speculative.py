@@ -3,6 +3,8 @@ rollback, the back-off rule, and greedy outputs identical to decoding without it
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import torch
@@ -202,16 +204,23 @@ def _seq(seq_id: int = 0) -> Sequence:
 
 
 def test_low_acceptance_pauses_a_sequence_and_large_batches_stop_speculation():
-    spec = Speculation(SpeculativeConfig(speculative_method="ngram", speculative_max_batch=2))
+    spec = Speculation(SpeculativeConfig(speculative_method="ngram", speculative_max_batch=2,
+                                         speculative_min_acceptance=0.3))
     seq = _seq()
     assert spec.active([seq], step=0) and spec.eligible(seq, step=0)
-    spec.record(seq, proposed=4, accepted=4, step=0)
-    spec.record(seq, proposed=4, accepted=0, step=1)
+    spec.record(seq, proposed=4, accepted=4, step=0, batch=1)
+    spec.record(seq, proposed=4, accepted=0, step=1, batch=1)
     assert spec.eligible(seq, step=2)  # one bad step is not enough
-    spec.record(seq, proposed=4, accepted=0, step=2)
+    spec.record(seq, proposed=4, accepted=0, step=2, batch=1)
     assert not spec.eligible(seq, step=3) and not spec.active([seq], step=3)
     assert spec.eligible(seq, step=3 + 16)  # the pause ends
     assert spec.proposed_tokens == 12 and spec.accepted_tokens == 4 and spec.verifications == 3
+    # Half accepted: enough alone (bar 0.3 x 1.5), not in a full batch (bar 0.6).
+    alone, crowded = _seq(1), _seq(2)
+    for step in range(6):
+        spec.record(alone, proposed=4, accepted=2, step=step, batch=1)
+        spec.record(crowded, proposed=4, accepted=2, step=step, batch=2)
+    assert spec.eligible(alone, step=6) and not spec.eligible(crowded, step=6)
     assert not spec.active([_seq(i) for i in range(3)], step=0)
     spec.cfg = msgspec.structs.replace(spec.cfg, speculative_method="off")
     assert not spec.active([seq], step=100)
@@ -308,3 +317,74 @@ def test_draft_model_greedy_is_identical(engine_model, prompts, plain, layers):
         assert stats.accepted_tokens == stats.proposed_tokens
     else:
         assert stats.accepted_tokens < stats.proposed_tokens
+
+
+# ---- the real server ----
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_server_speculates_reports_and_switches_off_live(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import openai
+
+    from tests.server import ServerProcess
+    from tests.test_metrics import _samples, _value
+
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    server = ServerProcess("--speculative-method", "ngram", env=env).wait_ready()
+
+    def admin_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "surge.cli", "admin", "--port",
+                               str(server.port), *args], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=60)
+
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        prompt = f"{COPY}\n\nThe same again:\n{COPY[:60]}"
+
+        def complete(**extra) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                              temperature=0, **extra).choices[0].text
+
+        spoken = complete()
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+        assert streamed == spoken
+        with_logprobs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                                  temperature=0, logprobs=2).choices[0]
+        assert with_logprobs.text == spoken
+        assert len(with_logprobs.logprobs.tokens) == len(with_logprobs.logprobs.top_logprobs)
+        sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                            temperature=0.8, seed=7).choices[0]
+        assert sampled.finish_reason == "length"
+        time.sleep(2.5)  # the scheduler exports its figures about once a second
+        on = _samples(server.url)
+        assert _value(on, "surge_spec_accepted_tokens_total") > 0
+        assert 0 < _value(on, "surge_spec_acceptance_rate") <= 1
+        assert _value(on, "surge_spec_mean_accepted_length") > 1
+
+        refused = admin_cli("set", "speculative_method=draft")
+        assert refused.returncode != 0 and "draft-layers" in refused.stdout + refused.stderr
+        assert admin_cli("set", "speculative_method=off").returncode == 0
+        assert complete() == spoken
+        time.sleep(2.5)
+        off = _samples(server.url)
+        assert _value(off, "surge_spec_proposed_tokens_total") == \
+            _value(on, "surge_spec_proposed_tokens_total")
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_draft_model_with_tensor_parallel_is_refused_at_start():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "surge.cli", "serve", "--device", "cpu",
+                          "--tensor-parallel-size", "2", "--draft-layers", "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "one rank" in out.stderr
