@@ -1,10 +1,14 @@
 """The draft model of speculative decoding, on the worker.
 
-It runs every step's tokens exactly as the target does, into a KV cache of its own laid out by
-the same block tables, so it knows every position the target knows. After the target has
-verified a step, it proposes the next tokens for each sequence that asks: greedily, one decode
-step at a time from the sequence's newest token. A greedy (one-hot) proposal keeps the sampler's
-verification exact for any temperature (see sampler.sample).
+A separate draft model runs every step's tokens as the target does, into a KV cache of its own
+laid out by the same block tables, so it knows every position the target knows. A draft made of
+the target's own first layers needs neither: the target's forward already computes exactly its
+K/V, so it works in the target's cache (its proposals' K/V, written past the sequence's end, are
+overwritten when the target computes those positions).
+
+After the target has verified a step, the draft proposes the next tokens for each sequence that
+asks: greedily, one decode step at a time from the sequence's newest token. A greedy (one-hot)
+proposal keeps the sampler's verification exact for any temperature (see sampler.sample).
 """
 
 from __future__ import annotations
@@ -30,17 +34,27 @@ def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
     return draft
 
 
+def shares_layers(draft: LlamaModel, target: LlamaModel) -> bool:
+    """Whether draft is the target's own first layers (see truncated)."""
+    return all(a is b for a, b in zip(draft.layers, target.layers, strict=False))
+
+
 class DraftModel:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+                 mirrors: bool) -> None:
+        """mirrors: the draft keeps a cache of its own (kv_cache), fed every step's tokens;
+        else kv_cache is the target's first layers."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.mirrors = mirrors
         self.no_prefill = torch.zeros(1, dtype=torch.int64, device=kv_cache.device)
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> None:
-        """The step's tokens through the draft, for its KV cache (no logits needed)."""
-        self.model(input_ids, positions, meta, self.kv_cache)
+        """The step's tokens through a separate draft, for its KV cache (no logits needed)."""
+        if self.mirrors:
+            self.model(input_ids, positions, meta, self.kv_cache)
 
     def propose(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
                 k: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from msgspec import Struct
 
-from gpu_workers.draft import DraftModel
+from gpu_workers.draft import DraftModel, shares_layers
 from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import SamplingBatch, sample
@@ -98,16 +98,21 @@ class ModelRunner:
                  capture_graphs: bool = False, draft: LlamaModel | None = None) -> None:
         """graphs_max_batch > 0: decode-only batches up to that size take the padded graph
         path (captured as CUDA graphs when capture_graphs). draft: speculative decoding's
-        draft model, which gets a KV cache of its own."""
+        draft model (see gpu_workers.draft)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         # One block past the scheduler's: where graph padding rows write.
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks + 1, block_size),
                                     dtype=dtype, device=device)
-        self.draft = None if draft is None else DraftModel(draft, torch.zeros(
-            kv_cache_shape(draft, num_blocks + 1, block_size), dtype=dtype, device=device),
-            block_size)
+        self.draft = None
+        if draft is not None and shares_layers(draft, model):
+            self.draft = DraftModel(draft, self.kv_cache[: draft.cfg.num_layers], block_size,
+                                    mirrors=False)
+        elif draft is not None:
+            self.draft = DraftModel(draft, torch.zeros(
+                kv_cache_shape(draft, num_blocks + 1, block_size), dtype=dtype, device=device),
+                block_size, mirrors=True)
         self.staging = Staging(device)
         self.graphs = (DecodeGraphs(model, self.kv_cache, block_size, num_blocks,
                                     graphs_max_batch, capture_graphs)

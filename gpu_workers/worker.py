@@ -14,7 +14,7 @@ import zmq
 
 import kernels
 from gpu_workers.devices import place
-from gpu_workers.draft import truncated
+from gpu_workers.draft import shares_layers, truncated
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
@@ -133,8 +133,9 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     if device.type == "cpu":
         budget //= tp.size  # the ranks share one memory; on GPUs the budget is per device
+    own_cache = draft is not None and not shares_layers(draft, model)
     num_blocks = budget // (kv_block_bytes(model, block_size, dtype)
-                            + (kv_block_bytes(draft, block_size, dtype) if draft else 0))
+                            + (kv_block_bytes(draft, block_size, dtype) if own_cache else 0))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")

@@ -302,14 +302,21 @@ def test_ngram_greedy_is_identical_with_prefix_hits_and_preemption(engine_model,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", [30, 6])
-def test_draft_model_greedy_is_identical(engine_model, prompts, plain, layers):
+@pytest.mark.parametrize(("layers", "separate"), [(30, False), (6, False), (6, True)])
+def test_draft_model_greedy_is_identical(engine_model, model_files, prompts, plain, layers,
+                                         separate):
     """The whole model as its own draft (every proposal accepted) and its first 6 layers
-    (mostly rejected): the same tokens either way."""
+    (mostly rejected), working in the target's KV cache or, loaded separately, in a cache of
+    its own fed every step: the same tokens every way."""
+    from gpu_workers.loader import load_model
+
     names = ["copy", "chat0", "raw0", "len16"]
     spec = SpeculativeConfig(speculative_method="draft", draft_layers=layers)
+    source = load_model(model_files, torch.device("cpu"), torch.float32) if separate \
+        else engine_model
     got, engine = _spec_run(engine_model, prompts, names, spec,
-                            draft=truncated(engine_model, layers))
+                            draft=truncated(source, layers))
+    assert engine.runner.draft.mirrors == separate
     assert {n: got[n] for n in names} == {n: plain[n] for n in names}
     stats = engine.scheduler.spec
     assert stats.proposed_tokens > 0
