@@ -41,6 +41,7 @@ class Sequence:
         self.spec_inflight = False  # a step in flight verifies or proposes: its length unknown
         self.spec_score = 1.0  # recent share of proposals accepted
         self.spec_paused_until = 0  # step id before which it does not speculate
+        self.spec_pauses = 0  # pauses in a row (each twice as long as the one before)
 
     @property
     def num_tokens(self) -> int:

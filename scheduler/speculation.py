@@ -8,9 +8,10 @@ reading the weights (small batches) and the proposals are mostly accepted. Measu
 more than a plain step, so even half of them accepted gains; at 8 sequences the step's extra
 tokens are real compute and proposals accepted 56% of the time lose 7%. Hence the rule:
 - no speculation above speculative_max_batch running sequences;
-- a sequence whose recent acceptance falls below a bar pauses for _PAUSE_STEPS steps; the bar
-  is speculative_min_acceptance at one sequence and rises linearly to twice that at
-  speculative_max_batch;
+- a sequence whose recent acceptance falls below a bar pauses for _PAUSE_STEPS steps, twice as
+  long after each pause in a row (up to 16x), until a step reaches the bar again; the bar is
+  speculative_min_acceptance at one sequence and rises linearly to twice that at
+  speculative_max_batch (a useless draft then costs a few percent, not a third);
 - finding nothing to propose (no n-gram match) costs nothing and does not count.
 """
 
@@ -77,10 +78,14 @@ class Speculation:
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         self.verifications += 1
-        seq.spec_score = (1 - _SCORE_WEIGHT) * seq.spec_score + _SCORE_WEIGHT * accepted / proposed
+        rate = accepted / proposed
+        seq.spec_score = (1 - _SCORE_WEIGHT) * seq.spec_score + _SCORE_WEIGHT * rate
         cfg = self.cfg
         bar = cfg.speculative_min_acceptance * (
             1 + min(1.0, batch / max(1, cfg.speculative_max_batch)))
+        if rate >= bar:
+            seq.spec_pauses = 0
         if seq.spec_score < bar:
-            seq.spec_paused_until = step + _PAUSE_STEPS
+            seq.spec_paused_until = step + (_PAUSE_STEPS << min(seq.spec_pauses, 4))
+            seq.spec_pauses += 1
             seq.spec_score = 1.0  # a fresh chance once the pause is over

@@ -214,7 +214,12 @@ def test_low_acceptance_pauses_a_sequence_and_large_batches_stop_speculation():
     spec.record(seq, proposed=4, accepted=0, step=2, batch=1)
     assert not spec.eligible(seq, step=3) and not spec.active([seq], step=3)
     assert spec.eligible(seq, step=3 + 16)  # the pause ends
-    assert spec.proposed_tokens == 12 and spec.accepted_tokens == 4 and spec.verifications == 3
+    spec.record(seq, proposed=4, accepted=0, step=19, batch=1)
+    spec.record(seq, proposed=4, accepted=0, step=20, batch=1)
+    assert not spec.eligible(seq, step=20 + 31) and spec.eligible(seq, step=20 + 32)  # twice
+    spec.record(seq, proposed=4, accepted=4, step=52, batch=1)
+    assert seq.spec_pauses == 0  # a good step ends the streak
+    assert spec.proposed_tokens == 24 and spec.accepted_tokens == 8 and spec.verifications == 6
     # Half accepted: enough alone (bar 0.3 x 1.5), not in a full batch (bar 0.6).
     alone, crowded = _seq(1), _seq(2)
     for step in range(6):
