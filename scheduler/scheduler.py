@@ -63,10 +63,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
-                  speculative: SpeculativeConfig) -> None:
+                  speculative: SpeculativeConfig | None = None) -> None:
         """Live parameters, applied between two steps."""
         self.cfg = cfg
-        self.spec.cfg = speculative
+        self.spec.cfg = speculative or self.spec.cfg
         self.blocks.prefix_cache = cfg.prefix_cache
         self.admission.configure(cfg, tenants, self.clock())
 
@@ -320,8 +320,10 @@ class Scheduler:
         if not ends or not self.spec.eligible(seq, self._next_step_id):
             return [], 0
         drafts = self.spec.proposal(seq, min(budget - n, seq.remaining_output - 1))
-        propose = self.spec.cfg.num_speculative_tokens * (
-            self.spec.cfg.speculative_method == "draft")
+        # The draft's steps write K/V up to `propose` positions past this step's tokens: no
+        # further than max_tokens reaches, which the context window holds.
+        propose = 0 if self.spec.cfg.speculative_method != "draft" else \
+            max(0, min(self.spec.cfg.num_speculative_tokens, seq.remaining_output - len(drafts)))
         if self.blocks.blocks_needed(seq, seq.num_computed_tokens + n + len(drafts) + propose) \
                 > self.blocks.num_free:
             return [], 0

@@ -372,8 +372,9 @@ def test_server_speculates_reports_and_switches_off_live(tmp_path):
         assert with_logprobs.text == spoken
         assert len(with_logprobs.logprobs.tokens) == len(with_logprobs.logprobs.top_logprobs)
         sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
-                                            temperature=0.8, seed=7).choices[0]
-        assert sampled.finish_reason == "length"
+                                            temperature=0.8, seed=7,
+                                            extra_body={"ignore_eos": True}).choices[0]
+        assert sampled.finish_reason == "length" and sampled.text
         time.sleep(2.5)  # the scheduler exports its figures about once a second
         on = _samples(server.url)
         assert _value(on, "surge_spec_accepted_tokens_total") > 0

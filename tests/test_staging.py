@@ -89,11 +89,11 @@ def test_next_step_prepared_while_the_previous_one_is_in_flight(tiny):
         return ModelRunner(model, 8, 4, torch.device("cpu"), torch.float32)
 
     one_by_one = runner()
-    expected = [one_by_one.run(p)[0] for p in plans()]
+    expected = [one_by_one.run(p).sampled_token_ids for p in plans()]
     overlapped = runner()
     first, second = plans()
     launched = overlapped.launch(overlapped.prepare(first))
     step = overlapped.prepare(second)
-    got = [overlapped.finish(launched)[0]]
-    got.append(overlapped.finish(overlapped.launch(step))[0])
+    got = [overlapped.finish(launched).sampled_token_ids]
+    got.append(overlapped.finish(overlapped.launch(step)).sampled_token_ids)
     assert got == expected
