@@ -54,7 +54,7 @@ class FakeWorker:
         return truth[pos]
 
     def run(self, plan: StepPlan) -> StepResult:
-        sampled, num_accepted = [], []
+        sampled, num_accepted, proposals = [], [], []
         for item in plan.seqs:
             truth = self.truth[item.seq_id]
             known = len(item.token_ids) - item.num_draft
@@ -80,7 +80,13 @@ class FakeWorker:
                 sampled += [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
                 num_accepted.append(accepted)
                 self.last_sampled[item.seq_id] = sampled[-1]
-        return StepResult(plan.step_id, sampled, num_accepted=num_accepted)
+                # A draft model's proposals: its steps write K/V from the newest token on, so
+                # those slots must be there; right at even positions, wrong at odd ones.
+                newest = end + accepted
+                assert len(item.block_table) * self.bs >= newest + item.propose
+                proposals.append([self._true(item.seq_id, newest + 1 + i) + (newest % 2)
+                               for i in range(item.propose)])
+        return StepResult(plan.step_id, sampled, num_accepted=num_accepted, drafts=proposals)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -152,13 +158,14 @@ def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cach
 
 @settings(max_examples=600, deadline=None)
 @given(_actions(60), st.integers(12, 60), st.integers(1, 8), st.integers(4, 64), st.booleans(),
-       st.sampled_from([1, 2]), st.sampled_from([0, 23]))
+       st.sampled_from([1, 2]), st.sampled_from([0, 23]), st.sampled_from(["ngram", "draft"]))
 def test_scheduler_invariants_with_speculation(actions, num_blocks, max_seqs, budget,
-                                               prefix_cache, depth, eos_every):
+                                               prefix_cache, depth, eos_every, method):
     """The fake model's tokens repeat every 9 positions, so n-gram proposals are sometimes
-    right, sometimes wrong and rolled back; outputs stay the true tokens."""
+    right, sometimes wrong and rolled back (the fake draft's too); outputs stay the true
+    tokens."""
     drive(actions, num_blocks, max_seqs, budget, prefix_cache, depth, eos_every, False,
-          "priority", "ngram")
+          "priority", method)
 
 
 def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bool, depth: int,
