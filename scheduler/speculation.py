@@ -23,8 +23,8 @@ from scheduler.sequence import Sequence
 from surge.config import SpeculativeConfig
 
 _PAUSE_STEPS = 16
-# Weight of the newest step in a sequence's acceptance score: two empty steps in a row from a
-# fresh start (score 1) take it below the default threshold of 0.3.
+# Weight of the newest step in a sequence's acceptance score: two steps in a row with nothing
+# accepted take a fresh score (1) below the default bar (0.3 to 0.6).
 _SCORE_WEIGHT = 0.5
 
 
