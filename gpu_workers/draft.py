@@ -63,11 +63,7 @@ class DraftModel:
         bs, proposals = self.block_size, []
         for _ in range(k):
             slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-            meta = AttentionMetadata(
-                slot_mapping=slots, num_decode=len(tokens), decode_block_tables=tables,
-                decode_context_lens=positions + 1, prefill_block_tables=tables[:0],
-                prefill_query_start=self.no_prefill, prefill_context_lens=positions[:0],
-                prefill_max_query_len=0)
+            meta = AttentionMetadata.decode_only(slots, tables, positions + 1, self.no_prefill)
             hidden = self.model(tokens, positions, meta, self.kv_cache)
             tokens = self.model.logits(hidden).argmax(dim=-1)
             proposals.append(tokens)

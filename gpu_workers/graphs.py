@@ -41,11 +41,8 @@ class DecodeGraphs:
         return batch <= self.sizes[-1] and width <= self.tables.shape[1]
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decode=size,
-            decode_block_tables=self.tables[:size], decode_context_lens=self.context_lens[:size],
-            prefill_block_tables=self.tables[:0], prefill_query_start=self.no_prefill,
-            prefill_context_lens=self.context_lens[:0], prefill_max_query_len=0)
+        meta = AttentionMetadata.decode_only(self.slots[:size], self.tables[:size],
+                                             self.context_lens[:size], self.no_prefill)
         return self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_cache)
 
     def _pad(self, n: int, size: int) -> None:

@@ -40,6 +40,16 @@ class AttentionMetadata(Struct, kw_only=True):
     prefill_context_lens: torch.Tensor  # [num_prefill]
     prefill_max_query_len: int
 
+    @classmethod
+    def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, no_prefill: torch.Tensor) -> AttentionMetadata:
+        """One token per sequence, no prefill part (no_prefill: a [1] zero tensor, kept by the
+        caller so a captured graph reads a fixed address)."""
+        return cls(slot_mapping=slot_mapping, num_decode=len(slot_mapping),
+                   decode_block_tables=block_tables, decode_context_lens=context_lens,
+                   prefill_block_tables=block_tables[:0], prefill_query_start=no_prefill,
+                   prefill_context_lens=context_lens[:0], prefill_max_query_len=0)
+
 
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they are grouped on; qkv_proj is column

@@ -256,8 +256,10 @@ class ModelRunner:
         if step.sampling is not None:  # rank 0 samples for the group
             logits = self.model.logits(hidden[step.logit_rows])
             self.forward_s = time.perf_counter() - started
+            # A row verifying a proposal sees the history up to its own position.
+            full = {s.seq_id: self._history(s) for s in step.picked if s.history is not None}
             step.sampling.add_penalties(
-                step.picked, [None if s.history is None else self._history(s)[:position]
+                step.picked, [full[s.seq_id][:position] if s.seq_id in full else None
                               for s, position in zip(step.picked, step.sample_positions,
                                                      strict=True)],
                 logits.shape[1], self.device)

@@ -215,10 +215,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch
         if drafts is not None:
             # Independent of the race's noise at the same position: another seed stream.
             coin = uniform_noise(b.seeds ^ _ACCEPT_STREAM, b.positions, 1)[:, 0]
-            lucky = has_draft & (coin < probs.gather(1, draft_ids)[:, 0])
+            p_draft = probs.gather(1, draft_ids)
+            lucky = has_draft & (coin < p_draft[:, 0])
             accepted = torch.where(b.temperature > 0, lucky, accepted)
-            probs = probs.scatter(1, draft_ids, torch.where(has_draft[:, None], 0.0,
-                                                            probs.gather(1, draft_ids)))
+            probs = probs.scatter(1, draft_ids, torch.where(has_draft[:, None], 0.0, p_draft))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
         race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))
         # A row whose every token was masked has no distribution left: fall back to greedy.
