@@ -71,7 +71,7 @@ def _paged(g: torch.Generator, lengths: list[int], s: Shapes, dtype: torch.dtype
     tables = torch.zeros(len(lengths), int(counts.max()), dtype=torch.int64, device=g.device)
     # A boolean mask assigns in row-major order: each row gets its own run of blocks.
     tables[torch.arange(tables.shape[1], device=g.device) < counts[:, None]] = blocks
-    shape = (len(blocks), s.block_size, s.kv_heads, s.head_dim)
+    shape = (s.kv_heads, len(blocks), s.block_size, s.head_dim)
     return _randn(g, shape, dtype), _randn(g, shape, dtype), tables
 
 
@@ -85,7 +85,7 @@ def _store_kv_case(s: Shapes, dtype: torch.dtype, device: torch.device) -> Case:
         g = _generator(device)
         qkv = _qkv(g, s.tokens, s, dtype)
         # Twice the slots needed, so the written ones are scattered.
-        caches = _randn(g, (2, 2 * s.tokens // s.block_size, s.block_size, s.kv_heads,
+        caches = _randn(g, (2, s.kv_heads, 2 * s.tokens // s.block_size, s.block_size,
                             s.head_dim), dtype)
         slots = torch.randperm(2 * s.tokens, generator=g, device=device)[: s.tokens]
         return (qkv[:, s.heads : s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads :],

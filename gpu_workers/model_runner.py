@@ -30,7 +30,7 @@ def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple
     """This rank's cache: the KV heads its attention holds."""
     cfg = model.cfg
     kv_heads = model.layers[0].attn.num_kv_heads
-    return (cfg.num_layers, 2, num_blocks, block_size, kv_heads, cfg.head_dim)
+    return (cfg.num_layers, 2, kv_heads, num_blocks, block_size, cfg.head_dim)
 
 
 def kv_block_bytes(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
@@ -131,7 +131,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """A prefill and a decode step on throwaway blocks, so the first real request does not
         pay for first-call allocations and kernel selection."""
-        n = min(2 * self.block_size, self.kv_cache.shape[2] * self.block_size - 1)
+        n = min(2 * self.block_size, self.kv_cache.shape[3] * self.block_size - 1)
         table = list(range(-(-(n + 1) // self.block_size)))
         params = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9)
         tokens = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]

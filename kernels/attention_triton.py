@@ -1,6 +1,6 @@
 """Paged attention over a flattened batch (Triton; same semantics as kernels.attention).
 
-Layouts as there: k_cache/v_cache [num_blocks, block_size, KVH, D] (contiguous), block tables
+Layouts as there: k_cache/v_cache [KVH, num_blocks, block_size, D] (contiguous), block tables
 [B, max_blocks] padded with 0, H = G * KVH query heads (query head h reads KV head h // G).
 Scores are accumulated in fp32 and exponentiated in base 2 (the scale folds in log2(e)).
 """
@@ -23,15 +23,15 @@ PREFILL_BLOCK_M = 64
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kvh, d, k_stride_t, k_stride_h,
-    v_stride_t, v_stride_h, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    v_stride_t, v_stride_h, cache_stride_head, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (T,): one program copies one token's keys and values, every KV head."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
+    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
     c = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < kvh) & (c < d)
-    dst = slot * kvh * d + h * d + c
+    dst = h * cache_stride_head + slot * d + c
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * k_stride_t + h * k_stride_h + c, mask=mask),
              mask=mask)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * v_stride_t + h * v_stride_h + c, mask=mask),
@@ -48,7 +48,8 @@ def store_kv(
     assert k.stride(2) == 1 and v.stride(2) == 1
     _store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, kvh, d, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d))
+        v.stride(1), k_cache.stride(0), BLOCK_H=triton.next_power_of_2(kvh),
+        BLOCK_D=triton.next_power_of_2(d))
 
 
 @triton.jit
@@ -81,9 +82,10 @@ def _attend_tile(
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, max_ptr, sum_ptr, acc_ptr,
-    scale_log2, q_stride_b, q_stride_h, table_stride, cache_stride_block, cache_stride_slot,
-    group, d, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    scale_log2, q_stride_b, q_stride_h, table_stride, cache_stride_head, cache_stride_block,
+    cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid (B, KVH, P): program (b, j, p) attends the G query heads of KV head j of sequence b,
     the rows of one tile (BLOCK_G >= 16 for tl.dot), to its context tokens
@@ -91,7 +93,7 @@ def _decode_partial_kernel(
     and unnormalised output in the partials [B, H, P(, D)]; one wholly past the context leaves
     (-inf, 0, 0), which the reduction does not read."""
     b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
     parts = tl.num_programs(2)
     ctx = tl.load(context_lens_ptr + b)
@@ -110,7 +112,8 @@ def _decode_partial_kernel(
     table = block_tables_ptr + b * table_stride
     for first in range(start, end, BLOCK_N):
         row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, k_cache_ptr + kv_head * d, v_cache_ptr + kv_head * d,
+            q, row_max, row_sum, acc, k_cache_ptr + kv_head * cache_stride_head,
+            v_cache_ptr + kv_head * cache_stride_head,
             table, first, end, q_pos, c, d, cache_stride_block, cache_stride_slot, scale_log2,
             BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     stat = (b * tl.num_programs(1) * group + heads) * parts + part
@@ -161,7 +164,7 @@ def decode_attention(
     shared_blocks (the CPU reference's cascade) is ignored: the result is the same. The
     partition count follows from the table's width alone, so nothing waits for the device."""
     b, h, d = q.shape
-    _, block_size, kvh, _ = k_cache.shape
+    kvh, _, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION_SIZE)
     maxes = torch.empty(b, h, parts, dtype=torch.float32, device=q.device)
@@ -171,8 +174,8 @@ def decode_attention(
     _decode_partial_kernel[(b, kvh, parts)](
         q, k_cache, v_cache, block_tables, context_lens, maxes, sums, partial_out,
         scale * math.log2(math.e), q.stride(0), q.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), h // kvh, d, BLOCK_SIZE=block_size,
-        PARTITION=PARTITION_SIZE, BLOCK_N=min(BLOCK_N, PARTITION_SIZE),
+        *k_cache.stride()[:3], h // kvh, d, BLOCK_SIZE=block_size, PARTITION=PARTITION_SIZE,
+        BLOCK_N=min(BLOCK_N, PARTITION_SIZE),
         BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_D=_head_block(d),
         DOT_PRECISION=_dot_precision(q.dtype))
     _decode_reduce_kernel[(b, h)](
@@ -184,9 +187,9 @@ def decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
-    scale_log2, q_stride_t, q_stride_h, table_stride, cache_stride_block, cache_stride_slot,
-    group, d, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    scale_log2, q_stride_t, q_stride_h, table_stride, cache_stride_head, cache_stride_block,
+    cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (N, cdiv(max_query_len, BLOCK_M), H): program (i, j, h) computes query head h of
     tokens [j * BLOCK_M, (j + 1) * BLOCK_M) of chunk i; tiles past the chunk's end exit."""
@@ -210,7 +213,7 @@ def _prefill_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
-    kv_offset = (head // group) * d
+    kv_offset = (head // group).to(tl.int64) * cache_stride_head
     # No key after the tile's last query is visible to any of it.
     visible_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
     for first in range(0, visible_end, BLOCK_N):
@@ -233,14 +236,14 @@ def prefill_attention(
     last tokens of its sequence's context_lens[i] (earlier ones already cached), causal within
     the chunk. max_query_len bounds the chunks' lengths (it sizes the grid)."""
     t, h, d = q.shape
-    _, block_size, kvh, _ = k_cache.shape
+    kvh, _, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     grid = (context_lens.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out,
         scale * math.log2(math.e), q.stride(0), q.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), h // kvh, d, BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_head_block(d),
+        *k_cache.stride()[:3], h // kvh, d, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=_head_block(d),
         DOT_PRECISION=_dot_precision(q.dtype))
     return out

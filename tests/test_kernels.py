@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import add_rms_norm, decode_attention, prefill_attention, store_kv
+from kernels import add_rms_norm, attention, decode_attention, prefill_attention, store_kv
 
 
 def _dense(q, k, v, q_positions, scale):
@@ -24,7 +24,7 @@ def _paged(lengths, block_size, kvh, d, num_blocks=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     # Unwritten slots hold a huge finite value: any of it leaking through the mask shows. (The
     # worker's pool starts zeroed, so stale slots are always finite.)
-    k_cache = torch.full((num_blocks, block_size, kvh, d), 1e4)
+    k_cache = torch.full((kvh, num_blocks, block_size, d), 1e4)
     v_cache = torch.full_like(k_cache, 1e4)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, ks, vs = [], [], []
@@ -42,9 +42,12 @@ def _paged(lengths, block_size, kvh, d, num_blocks=64, seed=0):
     return k_cache, v_cache, padded, ks, vs
 
 
+@pytest.mark.parametrize("path", ["sdpa", "matmul"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("h", "kvh"), [(4, 4), (9, 3), (8, 1)])
-def test_decode_attention(block_size, h, kvh):
+def test_decode_attention(monkeypatch, path, block_size, h, kvh):
+    """Both CPU paths: SDPA for small batches, batched products for large ones."""
+    monkeypatch.setattr(attention, "SDPA_MAX_DECODE", 10**6 if path == "sdpa" else 0)
     lengths = [1, 5, block_size, block_size + 1, 37]
     k_cache, v_cache, tables, ks, vs = _paged(lengths, block_size, kvh, 8)
     q = torch.randn(len(lengths), h, 8)
@@ -62,8 +65,8 @@ def test_cascade_decode_over_shared_blocks(shared, block_size, h, kvh, dtype):
     every query gives the same attention as reading them per sequence."""
     g = torch.Generator().manual_seed(shared)
     num_blocks, d = 64, 8
-    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    k_cache = torch.randn(kvh, num_blocks, block_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(kvh, num_blocks, block_size, d, generator=g).to(dtype)
     own = torch.randperm(num_blocks - shared, generator=g) + shared
     lengths = [shared * block_size + n for n in (1, 3, block_size, 2 * block_size + 1)]
     width = -(-max(lengths) // block_size)

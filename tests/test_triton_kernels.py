@@ -14,6 +14,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (Linux x86_
 
 import kernels
 from gpu_workers.llama import AttentionMetadata, LlamaConfig, LlamaModel
+from gpu_workers.model_runner import kv_cache_shape
 from kernels import attention, attention_triton, rmsnorm, rmsnorm_triton, rotary, rotary_triton
 from tests.test_kernels import _paged
 
@@ -81,8 +82,8 @@ def test_store_kv(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(6, heads + 2 * kvh, d, generator=g).to(dtype)
     k, v = qkv[:, heads : heads + kvh], qkv[:, heads + kvh :]
-    k_cache = torch.randn(5, 4, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(5, 4, kvh, d, generator=g).to(dtype)
+    k_cache = torch.randn(kvh, 5, 4, d, generator=g).to(dtype)
+    v_cache = torch.randn(kvh, 5, 4, d, generator=g).to(dtype)
     slots = torch.tensor([3, 17, 0, 9, 10, 19])
     got_k, got_v = k_cache.to(DEVICE, copy=True), v_cache.to(DEVICE, copy=True)
     attention_triton.store_kv(k.to(DEVICE), v.to(DEVICE), got_k, got_v, slots.to(DEVICE))
@@ -196,9 +197,7 @@ def _step(seqs: list[tuple[list[int], int, list[int]]], block_size: int
 def _two_steps(model: LlamaModel, block_size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Hidden states of two steps (two fresh prompts; then a decode, a chunk after cached
     context and a fresh prompt) and the KV cache after them."""
-    cfg = model.cfg
-    cache = torch.zeros(cfg.num_layers, 2, 16, block_size, cfg.num_kv_heads, cfg.head_dim,
-                        device=DEVICE)
+    cache = torch.zeros(kv_cache_shape(model, 16, block_size), device=DEVICE)
     a, b, c = [0, 1, 2], [3, 4, 5, 6], [7, 8]
     steps = [[(list(range(1, 6)), 0, a), (list(range(20, 31)), 0, b)],
              [([9], 5, a), ([40, 41, 42], 11, b), ([50, 51, 52, 53], 0, c)]]
