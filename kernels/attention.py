@@ -63,6 +63,8 @@ def decode_attention(
     if b < SDPA_MAX_DECODE and not shared_blocks:
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=~hidden,
                                               scale=scale).reshape(b, h, d)
+    # In bf16 the scores are rounded to bf16 before the fp32 softmax, as Hugging Face's eager
+    # attention does; SDPA keeps them in fp32.
     scores = _scores(qg, k, scale).masked_fill_(hidden, float("-inf"))
     if not shared_blocks:
         return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, d)
