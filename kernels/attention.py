@@ -10,9 +10,10 @@ attention).
 import torch
 import torch.nn.functional as F
 
-# Below this many decoding sequences SDPA's fused CPU kernel is faster (less fixed cost per call);
+# Up to this many decoding sequences SDPA's fused CPU kernel is faster (less fixed cost per call);
 # above it, batched matrix products are: SDPA runs a small GEMM per (sequence, head) for the one
-# query row each has. Measured on a 2-core AVX-512 machine, SmolLM2's heads, 192 tokens.
+# query row each has. Measured with SmolLM2 on a 2-core AVX-512 machine, context 192: whole
+# steps 36.3 vs 37.5 ms at 8 sequences, 39.6 vs 38.1 ms at 12.
 SDPA_MAX_DECODE = 8
 
 
@@ -60,7 +61,7 @@ def decode_attention(
     k, v = _gather(k_cache, v_cache, own)
     hidden = (torch.arange(k.shape[2], device=q.device)[None, :]
               >= (context_lens - shared_blocks * bs)[:, None])[:, None, None, :]
-    if b < SDPA_MAX_DECODE and not shared_blocks:
+    if b <= SDPA_MAX_DECODE and not shared_blocks:
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=~hidden,
                                               scale=scale).reshape(b, h, d)
     # In bf16 the scores are rounded to bf16 before the fp32 softmax, as Hugging Face's eager
