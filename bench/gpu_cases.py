@@ -39,6 +39,18 @@ SMOKE = Shapes(4, 2, 16, 4, (1, 3), (5, 37), ((70, 90), (7, 7)), 8, 64, (torch.f
 
 
 
+def planned_decode(plan_decode: Callable, decode_attention: Callable) -> Callable:
+    """decode_attention over block tables and lengths, as the cases pass them: planned (one
+    implementation's plan_decode), then run."""
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               tables: torch.Tensor, lens: torch.Tensor, scale: float, shared_blocks: int = 0
+               ) -> torch.Tensor:
+        plan = plan_decode(tables, lens, k_cache, shared_blocks)
+        return decode_attention(q, k_cache, v_cache, plan, scale)
+
+    return decode
+
+
 def _returned(args: tuple, result: Any) -> tuple[torch.Tensor, ...]:
     return result if isinstance(result, tuple) else (result,)
 

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels
-from bench.gpu_cases import H200, SMOKE, Case, Shapes, cases
+from bench.gpu_cases import H200, SMOKE, Case, Shapes, cases, planned_decode
 from tests.server import ServerProcess
 
 KERNELS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
@@ -151,7 +151,9 @@ def _kernel_line(row: dict) -> str:
 def implementations(triton: bool) -> dict[str, Callable]:
     """Every checked kernel, Triton or reference, through the worker's own switch."""
     kernels.use_triton(triton)
-    return {name: getattr(kernels, name) for name in KERNELS}
+    impls = {name: getattr(kernels, name) for name in KERNELS}
+    impls["decode_attention"] = planned_decode(kernels.plan_decode, kernels.decode_attention)
+    return impls
 
 
 def kernel_checks(shapes: Shapes, device: torch.device, timer: Timer, copy_gb_s: float

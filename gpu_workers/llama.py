@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, decode: tuple | None,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """decode: kernels.plan_decode's plan for the decode rows (None without them)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -79,9 +81,7 @@ class Attention(nn.Module):
         nd = meta.num_decode
         parts = []
         if nd:
-            parts.append(kernels.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, meta.decode_shared_blocks))
+            parts.append(kernels.decode_attention(q[:nd], k_cache, v_cache, decode, self.scale))
         if nd < t:
             parts.append(kernels.prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
@@ -116,12 +116,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                decode: tuple | None, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, kernels.rms_norm(x, self.input_norm, self.eps)
         else:
             x, residual = kernels.add_rms_norm(x, residual, self.input_norm, self.eps)
-        x = self.attn(x, rope, meta, kv_cache)
+        x = self.attn(x, rope, meta, decode, kv_cache)
         x, residual = kernels.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         return self.mlp(x), residual
 
@@ -153,8 +153,12 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         residual = None
         rope = kernels.rotary_angles(positions, self.rope)
+        # Every layer's decode attention reads the same blocks of its own cache: planned once.
+        decode = (kernels.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
+                                      kv_caches[0, 0], meta.decode_shared_blocks)
+                  if meta.num_decode else None)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, meta, kv_cache)
+            x, residual = layer(x, residual, rope, meta, decode, kv_cache)
         x, _ = kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 
-from kernels.attention import decode_attention, prefill_attention, store_kv
+from kernels.attention import decode_attention, plan_decode, prefill_attention, store_kv
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
 
 # name -> the module holding its reference; the Triton one is the same name + "_triton".
 _SWITCHED = {
     "store_kv": "attention",
+    "plan_decode": "attention",
     "decode_attention": "attention",
     "prefill_attention": "attention",
     "rms_norm": "rmsnorm",
@@ -33,6 +34,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary_",
     "decode_attention",
+    "plan_decode",
     "prefill_attention",
     "rms_norm",
     "rotary_angles",

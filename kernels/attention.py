@@ -7,6 +7,8 @@ are one contiguous [tokens, D] matrix. Query heads H are a multiple of KV heads 
 attention).
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -27,16 +29,20 @@ def store_kv(
     v_cache.view(kvh, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, max_blocks] block ids -> keys and values [B, KVH, max_blocks * block_size, D]."""
-    b, nb = block_tables.shape
-    kvh, n, bs, d = k_cache.shape
-    # One index_select of whole blocks over the flattened pool (several times faster on the CPU
-    # than advanced indexing), ordered so that each (sequence, head) is one contiguous matrix.
-    rows = (block_tables[:, None, :]
+def _rows(block_tables: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block ids -> the flattened pool's rows [B * KVH * nb], each (sequence, head) in
+    turn, so that each gathers into one contiguous matrix."""
+    kvh, n = k_cache.shape[:2]
+    return (block_tables[:, None, :]
             + torch.arange(kvh, device=k_cache.device)[:, None] * n).reshape(-1)
-    return tuple(c.view(kvh * n, bs, d).index_select(0, rows).view(b, kvh, nb * bs, d)
+
+
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, b: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [b, KVH, blocks * block_size, D] of the pool rows (see _rows)."""
+    kvh, n, bs, d = k_cache.shape
+    # One index_select of whole blocks (several times faster on the CPU than advanced indexing).
+    return tuple(c.view(kvh * n, bs, d).index_select(0, rows).view(b, kvh, -1, d)
                  for c in (k_cache, v_cache))
 
 
@@ -45,34 +51,59 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
 
 
-def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    shared_blocks: int = 0,
-) -> torch.Tensor:
-    """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens.
-    On the CPU, the first shared_blocks blocks may be the same for every sequence (and full in
-    each): they are then read once for all queries (cascade attention)."""
-    b, h, d = q.shape
-    kvh, _, bs, _ = k_cache.shape
-    # Each KV head serves a group of query heads: the group is the "query length".
-    qg = q.view(b, kvh, h // kvh, d)
-    own = block_tables[:, shared_blocks:]
-    k, v = _gather(k_cache, v_cache, own)
-    hidden = (torch.arange(k.shape[2], device=q.device)[None, :]
+class DecodePlan(NamedTuple):
+    """What every layer's decode attention reads the same way in a step, worked out once."""
+
+    rows: torch.Tensor  # each sequence's own blocks (past the shared ones), see _rows
+    head_rows: torch.Tensor | None  # cascade: the shared blocks, once
+    # None: one sequence, whose keys are sliced to its context. Up to SDPA_MAX_DECODE: an
+    # additive mask [B, 1, 1, L] for SDPA. More, or cascade: True on the keys each one skips.
+    mask: torch.Tensor | None
+    length: int  # one sequence: its context
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
+                shared_blocks: int = 0) -> DecodePlan:
+    """Decode attention of sequences with these block tables [B, max_blocks] and context lens
+    [B]. On the CPU, the first shared_blocks blocks may be the same for every sequence (and full
+    in each): they are then read once for all queries (cascade attention)."""
+    b, nb = block_tables.shape
+    bs = k_cache.shape[2]
+    if b == 1 and not shared_blocks:
+        return DecodePlan(_rows(block_tables, k_cache), None, None, int(context_lens[0]))
+    head_rows = _rows(block_tables[:1, :shared_blocks], k_cache) if shared_blocks else None
+    own = (nb - shared_blocks) * bs
+    hidden = (torch.arange(own, device=k_cache.device)[None, :]
               >= (context_lens - shared_blocks * bs)[:, None])[:, None, None, :]
     if b <= SDPA_MAX_DECODE and not shared_blocks:
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=~hidden,
+        hidden = torch.zeros(hidden.shape, dtype=k_cache.dtype,
+                             device=k_cache.device).masked_fill_(hidden, float("-inf"))
+    return DecodePlan(_rows(block_tables[:, shared_blocks:], k_cache), head_rows, hidden, own)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan, scale: float) -> torch.Tensor:
+    """One query token per sequence, q [B, H, D], attending to its context (see plan_decode)."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[0]
+    # Each KV head serves a group of query heads: the group is the "query length".
+    qg = q.view(b, kvh, h // kvh, d)
+    k, v = _gather(k_cache, v_cache, plan.rows, b)
+    if plan.mask is None:
+        n = plan.length
+        return F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n],
+                                              scale=scale).reshape(b, h, d)
+    if plan.mask.dtype != torch.bool:
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask,
                                               scale=scale).reshape(b, h, d)
     # In bf16 the scores are rounded to bf16 before the fp32 softmax, as Hugging Face's eager
     # attention does; SDPA keeps them in fp32.
-    scores = _scores(qg, k, scale).masked_fill_(hidden, float("-inf"))
-    if not shared_blocks:
+    scores = _scores(qg, k, scale).masked_fill_(plan.mask, float("-inf"))
+    if plan.head_rows is None:
         return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, d)
     # Cascade: the shared keys are scored for all queries at once ([1, KVH, B * G, D]), then one
     # softmax spans both parts, so the result is the plain one.
-    head = block_tables[:1, :shared_blocks]
-    k_head, v_head = _gather(k_cache, v_cache, head)
+    k_head, v_head = _gather(k_cache, v_cache, plan.head_rows, 1)
     s = k_head.shape[2]
     everyone = qg.transpose(0, 1).reshape(1, kvh, -1, d)
     head_scores = _scores(everyone, k_head, scale).view(kvh, b, -1, s).transpose(0, 1)
@@ -99,7 +130,7 @@ def prefill_attention(
         start, end = bounds[i], bounds[i + 1]
         n = end - start
         table = block_tables[i : i + 1, : -(-ctx // bs)]
-        k, v = (c[:, :, :ctx] for c in _gather(k_cache, v_cache, table))
+        k, v = (c[:, :, :ctx] for c in _gather(k_cache, v_cache, _rows(table, k_cache), 1))
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if ctx == n:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,

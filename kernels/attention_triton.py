@@ -6,6 +6,7 @@ Scores are accumulated in fp32 and exponentiated in base 2 (the scale folds in l
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -155,14 +156,23 @@ def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    shared_blocks: int = 0,
-) -> torch.Tensor:
+class DecodePlan(NamedTuple):
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
+                shared_blocks: int = 0) -> DecodePlan:
+    """As kernels.attention.plan_decode; the kernel reads the tables itself, and shared_blocks
+    (the CPU reference's cascade) does not change the result."""
+    return DecodePlan(block_tables, context_lens)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan, scale: float) -> torch.Tensor:
     """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens.
-    shared_blocks (the CPU reference's cascade) is ignored: the result is the same. The
-    partition count follows from the table's width alone, so nothing waits for the device."""
+    The partition count follows from the table's width alone, so nothing waits for the device."""
+    block_tables, context_lens = plan
     b, h, d = q.shape
     kvh, _, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1

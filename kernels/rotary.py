@@ -8,13 +8,15 @@ import torch
 def rotary_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
 ) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    """[max_positions, 2 * head_dim] float32: per position (c, c, -s, s), the factors of (x1, x2)
+    and of (x2, x1) in a rotation (see apply_rotary_)."""
     # float32 throughout, as the Hugging Face reference computes it, so angles match bit for bit.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     if scaling:
         inv_freq = _scale(inv_freq, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos, -sin, sin], dim=-1)
 
 
 def _scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -38,14 +40,16 @@ def _scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def rotary_angles(positions: torch.Tensor, cache: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, 1, D/2] for each token's position: looked up once a step, used by every
-    layer."""
+    """(cos, sin) [T, 1, D] for each token's position (see rotary_cache): looked up once a step,
+    used by every layer."""
     cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
     return cos, sin
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [T, heads, D] in place (queries and keys side by side, in one call) by each
-    token's angles (see rotary_angles)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+    token's angles (see rotary_angles): (x1 c - x2 s, x2 c + x1 s), x1 and x2 its halves."""
+    xf = x.float()
+    out = xf * cos
+    out += xf.roll(x.shape[-1] // 2, -1) * sin
+    x.copy_(out)

@@ -16,7 +16,9 @@ def _rotary_kernel(
     i = tl.arange(0, BLOCK_HALF)
     mask = (h < heads)[:, None] & (i < half)[None, :]
     cos = tl.load(cos_ptr + t * angle_stride_t + i, mask=i < half, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + t * angle_stride_t + i, mask=i < half, other=0.0)[None, :]
+    # Each row is (c, c) and (-s, s) (see kernels.rotary.rotary_cache): the first halves of
+    # cos and the second of sin are read.
+    sin = tl.load(sin_ptr + t * angle_stride_t + half + i, mask=i < half, other=0.0)[None, :]
     first = x_ptr + t * x_stride_t + h[:, None] * x_stride_h + i[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + half, mask=mask, other=0.0)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import add_rms_norm, attention, decode_attention, prefill_attention, store_kv
+from kernels import (
+    add_rms_norm,
+    attention,
+    decode_attention,
+    plan_decode,
+    prefill_attention,
+    store_kv,
+)
 
 
 def _dense(q, k, v, q_positions, scale):
@@ -51,7 +58,8 @@ def test_decode_attention(monkeypatch, path, block_size, h, kvh):
     lengths = [1, 5, block_size, block_size + 1, 37]
     k_cache, v_cache, tables, ks, vs = _paged(lengths, block_size, kvh, 8)
     q = torch.randn(len(lengths), h, 8)
-    out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 0.3)
+    plan = plan_decode(tables, torch.tensor(lengths), k_cache)
+    out = decode_attention(q, k_cache, v_cache, plan, 0.3)
     for i, n in enumerate(lengths):
         want = _dense(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]), 0.3)
         torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-5)
@@ -74,8 +82,9 @@ def test_cascade_decode_over_shared_blocks(shared, block_size, h, kvh, dtype):
                           [:width] for i in range(len(lengths))])
     q = torch.randn(len(lengths), h, d, generator=g).to(dtype)
     lens = torch.tensor(lengths)
-    plain = decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
-    cascade = decode_attention(q, k_cache, v_cache, tables, lens, 0.3, shared_blocks=shared)
+    plain = decode_attention(q, k_cache, v_cache, plan_decode(tables, lens, k_cache), 0.3)
+    cascade = decode_attention(q, k_cache, v_cache,
+                               plan_decode(tables, lens, k_cache, shared_blocks=shared), 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(cascade, plain, rtol=tol, atol=tol)
 

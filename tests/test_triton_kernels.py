@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need triton (Linux x86_64 only)")
 
 import kernels
+from bench.gpu_cases import planned_decode
 from gpu_workers.llama import AttentionMetadata, LlamaConfig, LlamaModel
 from gpu_workers.model_runner import kv_cache_shape
 from kernels import attention, attention_triton, rmsnorm, rmsnorm_triton, rotary, rotary_triton
@@ -24,6 +25,8 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 GQA = [(4, 4), (9, 3), (8, 1)]  # (query heads, KV heads)
 T = TypeVar("T")
+DECODE = planned_decode(attention.plan_decode, attention.decode_attention)
+DECODE_TRITON = planned_decode(attention_triton.plan_decode, attention_triton.decode_attention)
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -108,18 +111,16 @@ def test_decode_attention(monkeypatch: pytest.MonkeyPatch, partition: int, block
     # The model passes queries as a view of its fused projection.
     q = torch.randn(len(lengths), h + 2 * kvh, 8)[:, :h]
     lens = torch.tensor(lengths)
-    want = attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
-    _close(_poisoned(attention_triton.decode_attention, q, k_cache, v_cache, tables, lens, 0.3),
-           want)
+    want = DECODE(q, k_cache, v_cache, tables, lens, 0.3)
+    _close(_poisoned(DECODE_TRITON, q, k_cache, v_cache, tables, lens, 0.3), want)
 
 
 def test_decode_attention_ignores_shared_blocks() -> None:
     """The cascade hint only shapes the CPU reference's work, never the result."""
     k_cache, v_cache, tables, _, _ = _paged([9, 12, 20], 4, 2, 8)
     q, lens = torch.randn(3, 4, 8), torch.tensor([9, 12, 20])
-    want = attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
-    _close(_poisoned(attention_triton.decode_attention, q, k_cache, v_cache, tables, lens, 0.3,
-                     2), want)
+    want = DECODE(q, k_cache, v_cache, tables, lens, 0.3)
+    _close(_poisoned(DECODE_TRITON, q, k_cache, v_cache, tables, lens, 0.3, 2), want)
 
 
 def _prefill_case(block_size: int, h: int, kvh: int, dtype: torch.dtype, index: torch.dtype
@@ -152,8 +153,7 @@ def test_attention_in_half_precision_with_int32_indices(monkeypatch: pytest.Monk
     monkeypatch.setattr(attention_triton, "PARTITION_SIZE", 16)
     q, k_cache, v_cache, tables, _, lens = args[:6]
     decode = (q[: len(lens)], k_cache, v_cache, tables, lens, 0.3)
-    _close(_poisoned(attention_triton.decode_attention, *decode),
-           attention.decode_attention(*decode))
+    _close(_poisoned(DECODE_TRITON, *decode), DECODE(*decode))
 
 
 @pytest.fixture
