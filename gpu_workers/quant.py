@@ -66,19 +66,17 @@ class Int8Linear(nn.Module):
         self.fast = _has_op("_weight_int8pack_mm", weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        """x [T, in] (the model's tokens are flat) -> [T, out]."""
         if self.fast:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
-        else:
-            out = F.linear(flat, self.q.to(flat.dtype)) * self.scales
-        return out.view(*x.shape[:-1], -1)
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        return F.linear(x, self.q.to(x.dtype)) * self.scales
 
 
 class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None
                  ) -> None:
         super().__init__()
-        self.group, self.out_features = group, weight.shape[0]
+        self.group = group
         q, scales, zeros = quantize_int4(weight, group, grid)
         # [K / group, N, 2]: the layout both operators read their scales and offsets in.
         self.scales_zeros = nn.Buffer(
@@ -90,14 +88,12 @@ class Int4Linear(nn.Module):
             self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.is_cuda:
-            out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group,
-                                                     self.scales_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group,
-                                                             self.scales_zeros)
-        return out.view(*x.shape[:-1], self.out_features)
+        """x [T, in] -> [T, out]."""
+        if x.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
+                                                      self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                          self.scales_zeros)
 
 
 class FP8Linear(nn.Module):
@@ -112,15 +108,13 @@ class FP8Linear(nn.Module):
         self.fast = weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        """x [T, in] -> [T, out]."""
         if self.fast:
-            x_scales = flat.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / _FP8_MAX
-            x8 = (flat.float() / x_scales).to(torch.float8_e4m3fn)
-            out = torch._scaled_mm(x8, self.q.t(), scale_a=x_scales,
-                                   scale_b=self.scales[None, :], out_dtype=flat.dtype)
-        else:
-            out = F.linear(flat, (self.q.float() * self.scales[:, None]).to(flat.dtype))
-        return out.view(*x.shape[:-1], -1)
+            x_scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / _FP8_MAX
+            x8 = (x.float() / x_scales).to(torch.float8_e4m3fn)
+            return torch._scaled_mm(x8, self.q.t(), scale_a=x_scales,
+                                    scale_b=self.scales[None, :], out_dtype=x.dtype)
+        return F.linear(x, (self.q.float() * self.scales[:, None]).to(x.dtype))
 
 
 def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int) -> nn.Module:
