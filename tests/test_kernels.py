@@ -65,6 +65,19 @@ def test_decode_attention(monkeypatch, path, block_size, h, kvh):
         torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("length", [1, 4, 9])
+def test_decode_attention_of_one_sequence(length):
+    """One sequence's keys are sliced to its length, not masked: blocks listed past it (a table
+    padded wider) hold other keys that must not count."""
+    k_cache, v_cache, tables, ks, vs = _paged([length, 20], 4, 3, 8)
+    q = torch.randn(1, 9, 8)
+    plan = plan_decode(tables[:1], torch.tensor([length]), k_cache)
+    assert plan.mask is None
+    out = decode_attention(q, k_cache, v_cache, plan, 0.3)
+    want = _dense(q, ks[0], vs[0], torch.tensor([length - 1]), 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("shared", "block_size"), [(1, 4), (3, 4), (2, 16)])
 @pytest.mark.parametrize(("h", "kvh"), [(4, 4), (9, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
