@@ -59,7 +59,7 @@ class DecodePlan(NamedTuple):
     # None: one sequence, whose keys are sliced to its context. Up to SDPA_MAX_DECODE: an
     # additive mask [B, 1, 1, L] for SDPA. More, or cascade: True on the keys each one skips.
     mask: torch.Tensor | None
-    length: int  # one sequence: its context
+    length: int  # keys read per sequence: one sequence's context, else the gathered width
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
