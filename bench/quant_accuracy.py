@@ -28,16 +28,22 @@ TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
 
 
 @torch.inference_mode()
-def perplexity(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> float:
-    """exp of the mean next-token negative log-likelihood over token_ids, in one prefill."""
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
+def prefill_hidden(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """The final hidden state at every position of token_ids, in one prefill."""
+    num_blocks = -(-len(token_ids) // block_size)
     runner = ModelRunner(model, num_blocks, block_size, torch.device("cpu"),
                          model.embed.weight.dtype)
     seq = ScheduledSeq(0, token_ids, 0, list(range(num_blocks)), False,
                        SamplingParams(max_tokens=1), 0)
     step = runner.prepare(StepPlan(0, [seq]))
-    hidden = model(step.input_ids, step.positions, step.meta, runner.kv_cache)
+    return model(step.input_ids, step.positions, step.meta, runner.kv_cache)
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
+    """exp of the mean next-token negative log-likelihood over token_ids, in one prefill."""
+    n = len(token_ids)
+    hidden = prefill_hidden(model, token_ids)
     targets = torch.tensor(token_ids[1:])
     nll = 0.0
     for start in range(0, n - 1, 256):  # the logits of the whole text at once are too large
