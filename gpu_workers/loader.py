@@ -1,4 +1,5 @@
-"""Load Llama-family weights from a GGUF file (dequantized) or a Hugging Face safetensors folder."""
+"""Load Llama-family weights from a GGUF file (dequantized) or a Hugging Face safetensors folder,
+each cut by its Hugging Face name to the shard this tensor-parallel rank holds."""
 
 from __future__ import annotations
 
@@ -161,6 +162,29 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
     }.get(m.group(2))
 
 
+def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
+    """The part of a full weight (`name` is its Hugging Face per-layer suffix) rank tp.rank
+    holds: output rows of column-parallel layers, input columns of row-parallel ones."""
+    if tp.size == 1:
+        return w
+    d = cfg.head_dim
+    h = tp.split(cfg.num_heads, "attention heads")
+    first_kv, kvl = tp.kv_heads(cfg.num_kv_heads)
+    ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
+    rank = tp.rank
+    if name == "self_attn.q_proj.weight":
+        return w[rank * h * d : (rank + 1) * h * d]
+    if name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+        return w[first_kv * d : (first_kv + kvl) * d]
+    if name == "self_attn.o_proj.weight":
+        return w[:, rank * h * d : (rank + 1) * h * d]
+    if name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return w[rank * ff : (rank + 1) * ff]
+    if name == "mlp.down_proj.weight":
+        return w[:, rank * ff : (rank + 1) * ff]
+    return w  # embedding, norms, LM head: replicated
+
+
 def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel | None = None, keep_q4_1: bool = False) -> LlamaModel:
     """Build the model (this rank's part of it) on `device` in `dtype` and fill every weight
@@ -188,7 +212,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             if dest is None:
                 continue
             tensor, row = dest
-            w = model.tp.shard(name.split(".", 3)[-1], w, cfg)  # the per-layer suffix
+            w = shard(name.split(".", 3)[-1], w, cfg, model.tp)  # the per-layer suffix
             tensor[row : row + w.shape[0]].copy_(w)
             filled.add(name)
             if keep_q4_1 and blocks is not None and model.tp.size == 1 and id(tensor) in owners:

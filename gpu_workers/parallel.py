@@ -3,14 +3,9 @@ block (an all-reduce after each row-parallel projection)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from msgspec import Struct
-
-if TYPE_CHECKING:
-    from gpu_workers.llama import LlamaConfig
 
 
 class TensorParallel(Struct, frozen=True):
@@ -49,28 +44,6 @@ class TensorParallel(Struct, frozen=True):
             return summed.to(x.dtype)
         dist.all_reduce(x)
         return x
-
-    def shard(self, name: str, w: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
-        """The part of a full weight (`name` is its Hugging Face per-layer suffix) this rank
-        holds: output rows of column-parallel layers, input columns of row-parallel ones."""
-        if self.size == 1:
-            return w
-        d = cfg.head_dim
-        h = self.split(cfg.num_heads, "attention heads")
-        first_kv, kvl = self.kv_heads(cfg.num_kv_heads)
-        ff = self.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
-        rank = self.rank
-        if name == "self_attn.q_proj.weight":
-            return w[rank * h * d : (rank + 1) * h * d]
-        if name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-            return w[first_kv * d : (first_kv + kvl) * d]
-        if name == "self_attn.o_proj.weight":
-            return w[:, rank * h * d : (rank + 1) * h * d]
-        if name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            return w[rank * ff : (rank + 1) * ff]
-        if name == "mlp.down_proj.weight":
-            return w[:, rank * ff : (rank + 1) * ff]
-        return w  # embedding, norms, LM head: replicated
 
     def broadcast(self, x: torch.Tensor) -> None:
         """Rank 0's tensor to every rank, in place."""

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from surge.config import SpeculativeConfig, SurgeConfig, TenantConfig
-from surge.protocol import AdminReply, AdminRequest
+from surge.protocol import AdminReply, AdminRequest, EngineStats
 
 # What can change while serving, by section; the rest (block_size, kv_cache_memory, the draft
 # model) shapes memory or what the workers load. Every field of a tenant is live too, as
@@ -74,13 +74,13 @@ def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
     return msgspec.structs.replace(cfg, **sections, tenants=new_tenants)
 
 
-def handle(request: AdminRequest, cfg: SurgeConfig, stats: dict[str, Any]
+def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats
            ) -> tuple[AdminReply, SurgeConfig]:
     """The reply, and the configuration from now on."""
     if request.command == "get":
         return AdminReply(True, "live parameters", live_values(cfg)), cfg
     if request.command == "stats":
-        return AdminReply(True, "engine stats", stats), cfg
+        return AdminReply(True, "engine stats", msgspec.structs.asdict(stats)), cfg
     if request.command == "set":
         new = updated(cfg, request.values)
         if isinstance(new, str):

@@ -12,8 +12,8 @@ import zmq
 
 from scheduler import admin
 from scheduler.scheduler import Scheduler
+from scheduler.stats import StatsCollector
 from shm.ring import RingBuffer, RingClosed
-from surge import metrics
 from surge.config import SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
@@ -22,7 +22,6 @@ from surge.protocol import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
-    EngineStats,
     FrontendMessage,
     RequestOutput,
     StepPlan,
@@ -67,16 +66,9 @@ class SchedulerLoop:
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
-        self.steps = 0
-        self.scheduled_tokens = 0
-        self.generated_tokens = 0
-        self.worker_compute_s = 0.0
-        self.worker_wait_s = 0.0
-        self.worker_forward_s = 0.0
+        self.stats = StatsCollector()
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
-        self._queues_seen: set[tuple[str, str]] = set()  # (priority, tenant) labels exported
-        self._exported: dict[str, int] = {}  # counter totals already exported
         self._stalled = False  # work is queued but nothing could be planned
         self._continuous = False  # the engine had work when the last result came back
 
@@ -180,25 +172,17 @@ class SchedulerLoop:
         if plan is not None:
             self.ring.put(encode(plan), should_stop=self._worker_failed)
             inflight.append(plan)
-            self.steps += 1
-            tokens = sum(len(s.token_ids) for s in plan.seqs)
-            self.scheduled_tokens += tokens
-            metrics.batch_size.observe(len(plan.seqs))
-            metrics.step_tokens.observe(tokens)
         self._stalled = plan is None and not inflight and sched.has_work()
         if inflight and (plan is None or len(inflight) == depth):
             result = self._worker_message()
             while result.step_id < inflight[0].step_id:
                 result = self._worker_message()  # a step planned before a worker was replaced
             assert isinstance(result, StepResult) and result.step_id == inflight[0].step_id
-            self.worker_compute_s += result.compute_s
-            self.worker_forward_s += result.forward_s
-            sched.cost.record(sum(len(s.token_ids) for s in inflight[0].seqs), result.compute_s)
-            if self._continuous:  # the worker's wait before an idle engine's first step is
-                self.worker_wait_s += result.wait_s  # not overhead, just an empty queue
-            outputs = sched.update(inflight.popleft(), result)
+            done = inflight.popleft()
+            sched.cost.record(sum(len(s.token_ids) for s in done.seqs), result.compute_s)
+            outputs = sched.update(done, result)
+            self.stats.record_step(done, result, len(outputs), self._continuous)
             self._continuous = sched.has_work()
-            self.generated_tokens += len(outputs)
             if outputs:
                 self.outputs.send(encode(EngineOutputs(outputs)))
         self._send_stats()
@@ -207,7 +191,7 @@ class SchedulerLoop:
         """Between two steps, so a change applies atomically to the next step on."""
         assert self.scheduler is not None
         request = msgspec.msgpack.decode(self.admin.recv(), type=AdminRequest)
-        reply, new = admin.handle(request, self.cfg, self._stats_dict())
+        reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler))
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
             self.cfg = new
@@ -235,89 +219,9 @@ class SchedulerLoop:
             return
         self._stats_sent = now
         assert self.scheduler is not None
-        self._export_metrics(self.scheduler)
-        self.outputs.send(encode(self._stats()))
-
-    def _stats(self) -> EngineStats:
-        sched = self.scheduler
-        assert sched is not None
-        blocks = sched.blocks
-        return EngineStats(
-            time=time.time(), running=len(sched.running), waiting=len(sched.waiting),
-            kv_blocks_used=blocks.num_blocks - blocks.num_free,
-            kv_blocks_total=blocks.num_blocks,
-            prefix_queried_tokens=blocks.queried_tokens, prefix_hit_tokens=blocks.hit_tokens,
-            preemptions=sched.num_preemptions, steps=self.steps,
-            scheduled_tokens=self.scheduled_tokens, generated_tokens=self.generated_tokens,
-            worker_compute_s=self.worker_compute_s, worker_wait_s=self.worker_wait_s,
-            worker_forward_s=self.worker_forward_s,
-            spec_proposed_tokens=sched.spec.proposed_tokens,
-            spec_accepted_tokens=sched.spec.accepted_tokens,
-            spec_verifications=sched.spec.verifications)
-
-    def _stats_dict(self) -> dict[str, Any]:
-        stats = msgspec.to_builtins(self._stats())
-        stats.pop("type", None)
-        return stats
-
-    def _export_metrics(self, sched: Scheduler) -> None:
-        for wait_s in sched.queue_waits:
-            metrics.queue_wait.observe(wait_s)
-        sched.queue_waits.clear()
-        blocks = sched.blocks
-        metrics.running.set(len(sched.running))
-        metrics.queued_tokens.set(sched.waiting.num_tokens)
-        queued: dict[tuple[str, str], int] = dict.fromkeys(self._queues_seen, 0)
-        for seq in sched.waiting:
-            # Clients choose priorities: far-out values share one label, so series stay few.
-            label = str(seq.priority) if -100 <= seq.priority <= 100 else "other"
-            key = (label, seq.tenant.name)
-            queued[key] = queued.get(key, 0) + 1
-        for (priority, tenant), count in queued.items():
-            metrics.waiting.labels(priority, tenant).set(count)
-        self._queues_seen |= set(queued)
-        metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_free)
-        metrics.kv_blocks_total.set(blocks.num_blocks)
-        exported = self._exported
-        spec = sched.spec
-        totals = {"queried": blocks.queried_tokens, "hits": blocks.hit_tokens,
-                  "preemptions": sched.num_preemptions, "proposed": spec.proposed_tokens,
-                  "accepted": spec.accepted_tokens, "verifications": spec.verifications}
-        for name, counter in (("queried", metrics.prefix_queries),
-                              ("hits", metrics.prefix_hits),
-                              ("preemptions", metrics.preemptions),
-                              ("proposed", metrics.spec_proposed),
-                              ("accepted", metrics.spec_accepted),
-                              ("verifications", metrics.spec_verifications)):
-            counter.inc(totals[name] - exported.get(name, 0))
-        if spec.proposed_tokens:
-            metrics.spec_acceptance.set(spec.accepted_tokens / spec.proposed_tokens)
-            metrics.spec_accepted_length.set(spec.accepted_tokens / spec.verifications + 1)
-        for (tenant, limit), count in sched.admission.rejected.items():
-            totals[f"rejected {tenant} {limit}"] = count
-            metrics.rejected.labels(tenant, limit).inc(
-                count - exported.get(f"rejected {tenant} {limit}", 0))
-        for name, tenant in sched.admission.tenants.items():
-            totals[f"served {name}"] = tenant.served_tokens
-            metrics.tenant_served.labels(name).inc(
-                tenant.served_tokens - exported.get(f"served {name}", 0))
-            metrics.tenant_running.labels(name).set(tenant.num_running)
-        self._exported = totals
-        self._export_limits()
-
-    def _export_limits(self) -> None:
-        cfg = self.cfg
-        for name, section in admin.SECTION.items():
-            value = getattr(getattr(cfg, section), name)
-            if not isinstance(value, str):
-                metrics.live_parameter.labels(name).set(float(value))
-        for name in ("fcfs", "priority", "sjf"):
-            metrics.policy.labels(name).set(float(name == cfg.scheduler.policy))
-        assert self.scheduler is not None
-        admission = self.scheduler.admission
-        for name in {*admission.tenants, *cfg.tenants}:
-            for field, value in msgspec.to_builtins(admission.limits(name)).items():
-                metrics.tenant_limit.labels(name, field).set(float(value))
+        snapshot = self.stats.snapshot(self.scheduler)
+        self.stats.export(snapshot, self.scheduler, self.cfg)
+        self.outputs.send(encode(snapshot))
 
     def fail_all(self, reason: str) -> None:
         """Give every request a terminal error, those still queued in the socket too: nothing

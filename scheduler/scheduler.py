@@ -56,7 +56,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.cost = StepCost()
         self._classes_seen: dict[int, float] = {}  # priority -> its latest arrival
-        self.queue_waits: list[float] = []  # arrival to first step, drained by the loop
+        self.queue_waits: list[float] = []  # arrival to first step, drained by StatsCollector
         self.spec = Speculation(speculative or SpeculativeConfig())
 
     def has_work(self) -> bool:

@@ -97,6 +97,7 @@ class EngineStats(Struct, tag=True, kw_only=True):
     spec_proposed_tokens: int = 0  # speculative tokens sent for verification
     spec_accepted_tokens: int = 0  # of which the model agreed with
     spec_verifications: int = 0  # sequence-steps that verified proposals
+    queued_tokens: int = 0  # prompt tokens of the waiting requests
 
 
 class EngineReady(Struct, tag=True, kw_only=True):

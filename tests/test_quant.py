@@ -140,23 +140,6 @@ def test_perplexity_increase_is_bounded(model_files, tokenizer, bf16_model, mode
     assert ppl <= base * (1 + bound)
 
 
-def test_gguf_q4_1_blocks_are_kept_exactly(model_files):
-    """int4 in groups of 32 on the bundled Q4_1 file reuses the file's own grid (steps and
-    minimums read from its blocks, q and k rows un-permuted like the values): the quantized
-    layers hold exactly the file's values."""
-    from gpu_workers.loader import load_model
-
-    model = load_model(model_files, torch.device("cpu"), torch.float32, keep_q4_1=True)
-    for linear in (model.layers[0].mlp.gate_up_proj, model.layers[3].attn.qkv_proj):
-        grid = linear.q4_1
-        assert grid.shape == (2, linear.weight.shape[0], linear.weight.shape[1] // 32)
-        q, scales, zeros = quantize_int4(linear.weight, 32, grid)
-        torch.testing.assert_close(dequantize_int4(q, scales, zeros, 32), linear.weight,
-                                   rtol=0, atol=1e-6)
-    quantize_model(model, "int4", 32)
-    assert isinstance(model.layers[0].attn.qkv_proj, Int4Linear)
-
-
 def test_prefix_cache_hits_with_quantized_weights(tmp_path):
     """The prefix cache knows nothing of weights: with int4 layers, requests sharing a prompt
     prefix reuse its blocks and give the tokens they give with the cache off."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_workers.llama import LlamaConfig
+from gpu_workers.loader import shard
 from gpu_workers.parallel import TensorParallel
 from tests.tiny_model import save_tiny_llama
 
@@ -102,10 +103,10 @@ def test_shards_tile_the_full_weights():
     o = torch.randn(36, 9 * 4)
     down = torch.randn(36, 96)
     ranks = [TensorParallel(r, 3) for r in range(3)]
-    assert torch.equal(torch.cat([tp.shard("self_attn.q_proj.weight", q, cfg) for tp in ranks]), q)
-    assert torch.equal(torch.cat([tp.shard("self_attn.o_proj.weight", o, cfg) for tp in ranks],
+    assert torch.equal(torch.cat([shard("self_attn.q_proj.weight", q, cfg, tp) for tp in ranks]), q)
+    assert torch.equal(torch.cat([shard("self_attn.o_proj.weight", o, cfg, tp) for tp in ranks],
                                  dim=1), o)
-    assert torch.equal(torch.cat([tp.shard("mlp.down_proj.weight", down, cfg) for tp in ranks],
+    assert torch.equal(torch.cat([shard("mlp.down_proj.weight", down, cfg, tp) for tp in ranks],
                                  dim=1), down)
     assert ranks[1].kv_heads(3) == (1, 1)
     # Fewer KV heads than ranks: each rank takes the head its query heads are grouped on.

@@ -1,0 +1,93 @@
+"""StatsCollector: the snapshot of a scheduler after a few steps, and the Prometheus figures
+set from it (read back from prometheus_client's registry, as changes since the test began)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from prometheus_client import REGISTRY
+
+from scheduler import admin
+from scheduler.scheduler import Scheduler
+from scheduler.stats import StatsCollector
+from surge.config import SchedulerConfig, SurgeConfig, TenantConfig
+from surge.protocol import AdminRequest, EngineRequest, SamplingParams, StepPlan, StepResult
+
+# Counters and histograms are process-wide: the test compares them with their start values.
+_TOTALS = [("surge_batch_size_count", {}), ("surge_step_tokens_sum", {}),
+           ("surge_queue_wait_seconds_count", {}), ("surge_prefix_cache_hit_tokens_total", {}),
+           ("surge_rejected_requests_total", {"tenant": "acme", "limit": "max_concurrent"}),
+           ("surge_tenant_served_tokens_total", {"tenant": "acme"})]
+
+
+def _value(metric: str, /, **labels: str) -> float:
+    return REGISTRY.get_sample_value(metric, labels) or 0.0
+
+
+def _gained(start: list[float]) -> list[float]:
+    return [_value(name, **labels) - v for (name, labels), v in zip(_TOTALS, start, strict=True)]
+
+
+def _request(rid: str, length: int, tenant: str, priority: int) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=list(range(1, length + 1)),
+                         arrival_time=time.time(), tenant=tenant, priority=priority,
+                         sampling=SamplingParams(max_tokens=8, temperature=0.0))
+
+
+def _step(sched: Scheduler, stats: StatsCollector, continuous: bool) -> StepPlan:
+    """Plan a step and feed back what a fake worker would answer: one token per sequence."""
+    plan = sched.schedule()
+    assert plan is not None
+    result = StepResult(plan.step_id, [7] * sum(s.sample for s in plan.seqs), compute_s=0.25,
+                        forward_s=0.125, wait_s=0.5)
+    stats.record_step(plan, result, len(sched.update(plan, result)), continuous)
+    return plan
+
+
+def test_snapshot_and_metrics_come_from_the_same_figures():
+    cfg = SurgeConfig(scheduler=SchedulerConfig(block_size=4, max_num_seqs=2),
+                      tenants={"acme": TenantConfig(weight=2.0, max_concurrent=2)})
+    sched = Scheduler(cfg.scheduler, 32, cfg.tenants)
+    stats = StatsCollector()
+    start = [_value(name, **labels) for name, labels in _TOTALS]
+    assert sched.add(_request("a", 6, "acme", 0)) is None
+    assert sched.add(_request("b", 5, "default", 0)) is None  # a's first block is cached
+    assert sched.add(_request("c", 3, "acme", 500)) is None  # waits: two seats, less urgent
+    assert sched.add(_request("d", 3, "acme", 0)) is not None  # acme's max_concurrent
+    first = _step(sched, stats, continuous=False)  # an idle engine's wait is not counted
+    second = _step(sched, stats, continuous=True)
+    assert [len(p.seqs) for p in (first, second)] == [2, 2]
+
+    snap = stats.snapshot(sched)
+    assert (snap.running, snap.waiting, snap.queued_tokens) == (2, 1, 3)
+    assert (snap.steps, snap.scheduled_tokens, snap.generated_tokens) == (2, 6 + 1 + 2, 4)
+    assert (snap.prefix_queried_tokens, snap.prefix_hit_tokens) == (6 + 5, 4)
+    assert (snap.worker_compute_s, snap.worker_forward_s, snap.worker_wait_s) == \
+        (0.5, 0.25, 0.5)
+    assert (snap.kv_blocks_used, snap.kv_blocks_total) == (3, 32)  # a's two, b's second
+
+    stats.export(snap, sched, cfg)
+    assert (_value("surge_running_requests"), _value("surge_queued_prompt_tokens")) == (2, 3)
+    assert (_value("surge_kv_cache_blocks_used"), _value("surge_kv_cache_blocks")) == (3, 32)
+    # Two steps of 2 sequences, 9 tokens; a and b started; 4 prefix hits; d refused; acme's
+    # a served 6 + 1.
+    gained = _gained(start)
+    assert gained == [2, 9, 2, 4, 1, 7]
+    assert _value("surge_waiting_requests", priority="other", tenant="acme") == 1
+    assert _value("surge_tenant_running_requests", tenant="acme") == 1
+    assert _value("surge_tenant_limit", tenant="acme", limit="weight") == 2.0
+    assert _value("surge_live_parameter", name="max_num_seqs") == 2
+    assert _value("surge_scheduling_policy", policy="priority") == 1
+
+    # The next export adds only what changed since: the queue that emptied reads 0, and the
+    # counters do not count the same tokens twice.
+    sched.abort(["c"])
+    stats.export(stats.snapshot(sched), sched, cfg)
+    assert _value("surge_waiting_requests", priority="other", tenant="acme") == 0
+    assert _gained(start) == gained
+
+    # `surge admin stats` answers with the same fields as /stats, less the message tag.
+    reply, _ = admin.handle(AdminRequest("stats"), cfg, snap)
+    builtins = msgspec.to_builtins(snap)
+    assert builtins.pop("type") == "EngineStats" and reply.values == builtins
