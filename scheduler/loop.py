@@ -14,7 +14,7 @@ from scheduler import admin
 from scheduler.scheduler import Scheduler
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
-from surge.config import SurgeConfig
+from surge.config import LIVE_SECTION, SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
     AbortRequest,
@@ -307,7 +307,7 @@ class SchedulerLoop:
 
     def _export_limits(self) -> None:
         cfg = self.cfg
-        for name, section in admin.SECTION.items():
+        for name, section in LIVE_SECTION.items():
             value = getattr(getattr(cfg, section), name)
             if not isinstance(value, str):
                 metrics.live_parameter.labels(name).set(float(value))
