@@ -8,10 +8,9 @@ import time
 import msgspec
 from prometheus_client import Counter
 
-from scheduler import admin
 from scheduler.scheduler import Scheduler
 from surge import metrics
-from surge.config import SurgeConfig
+from surge.config import LIVE_SECTION, SurgeConfig
 from surge.protocol import EngineStats, StepPlan, StepResult
 
 # The snapshot's running totals that Prometheus counters follow.
@@ -117,7 +116,7 @@ class StatsCollector:
 
 
 def _export_limits(sched: Scheduler, cfg: SurgeConfig) -> None:
-    for name, section in admin.SECTION.items():
+    for name, section in LIVE_SECTION.items():
         value = getattr(getattr(cfg, section), name)
         if not isinstance(value, str):
             metrics.live_parameter.labels(name).set(float(value))

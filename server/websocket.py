@@ -13,22 +13,32 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import WSMsgType, web
 
 from server.errors import ApiError, error_body
+from server.generate import Piece
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import usage
-
-if TYPE_CHECKING:
-    from server.app import Frontend
+from server.translate import Body, RequestTranslator
 
 log = logging.getLogger("surge.frontend")
 _KINDS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
 _HEARTBEAT_S = 20.0
+
+
+class Service(Protocol):
+    """What the socket needs of the frontend (server.app.Frontend is one)."""
+
+    translator: RequestTranslator
+
+    async def run(self, body: Body, rid: str, prompts: list[list[int]],
+                  max_tokens: int | None, logprobs: int | None, tenant: str
+                  ) -> AsyncIterator[Piece]: ...
 
 
 class _Message(msgspec.Struct, kw_only=True):
@@ -38,7 +48,7 @@ class _Message(msgspec.Struct, kw_only=True):
     body: msgspec.Raw = msgspec.Raw(b"")  # kept raw: decoded later by the endpoint's type
 
 
-async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSocketResponse:
+async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=_HEARTBEAT_S,
                                max_msg_size=request.app["max_body_bytes"])
     await ws.prepare(request)
@@ -58,11 +68,11 @@ async def stream_socket(frontend: Frontend, request: web.Request) -> web.WebSock
 
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         try:
-            body = frontend.decode_body(raw, kind)
+            body = frontend.translator.decode_body(raw, kind)
             if getattr(body, "echo", False) or body.logprobs not in (None, False):
                 raise ApiError(400, "echo and logprobs are not available on the WebSocket; "
                                     "use the HTTP endpoint", param="logprobs")
-            prompts, max_tokens, logprobs = await frontend.prepare(body)
+            prompts, max_tokens, logprobs = await frontend.translator.prepare(body)
             pieces = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
                                         logprobs, request["tenant"])
             reasons: dict[int, str | None] = {}

@@ -238,6 +238,35 @@ SECTIONS: dict[str, type[Struct]] = {
 }
 
 
+# What can change while serving, by section; the rest (block_size, kv_cache_memory, the draft
+# model) shapes memory or what the workers load. Every field of a tenant is live too, as
+# tenants.NAME.FIELD.
+LIVE: dict[str, tuple[str, ...]] = {
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "batch_wait_ms", "prefix_cache",
+                  "async_scheduling", "length_bucketing", "policy", "priority_preemption",
+                  "priority_aging_s", "interactive_step_ms", "max_queued_requests",
+                  "max_queued_tokens"),
+    "speculative": ("speculative_method", "num_speculative_tokens", "ngram_max", "ngram_min",
+                    "speculative_max_batch", "speculative_min_acceptance"),
+}
+LIVE_SECTION = {name: section for section, names in LIVE.items() for name in names}
+
+
+def live_values(cfg: SurgeConfig) -> dict[str, Any]:
+    values: dict[str, Any] = {name: getattr(getattr(cfg, section), name)
+                              for name, section in LIVE_SECTION.items()}
+    for name, tenant in cfg.tenants.items():
+        for field, value in msgspec.to_builtins(tenant).items():
+            values[f"tenants.{name}.{field}"] = value
+    return values
+
+
+def flatten(cfg: SurgeConfig) -> dict[str, str]:
+    """Every live value as the text `set` takes (what a reload hands over)."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in live_values(cfg).items()}
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
 

@@ -17,9 +17,8 @@ import msgspec
 import zmq
 
 from gpu_workers.worker import run_worker
-from scheduler.admin import flatten
 from shm.ring import RingBuffer
-from surge.config import SurgeConfig
+from surge.config import SurgeConfig, flatten
 from surge.log import setup_logging
 from surge.protocol import WorkerFailed, encode
 from surge.runtime import Channels

@@ -1,0 +1,181 @@
+"""OpenAI request bodies to engine requests: decode, check, build prompts, set sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+from jinja2 import TemplateError
+
+from server.engine_client import EngineClient
+from server.errors import ApiError
+from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.tokenizer import Tokenizer
+from surge.protocol import EngineRequest, SamplingParams
+
+T = TypeVar("T")
+Body = CompletionRequest | ChatCompletionRequest
+# Prompts longer than this many characters are tokenized off the event loop.
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+class RequestTranslator:
+    """The one place a request parameter turns into prompts, checks and SamplingParams."""
+
+    def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
+                 max_model_len: int, max_prompt_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def decode_body(self, raw: bytes, kind: type[T]) -> T:
+        if not self.engine.ready.done():
+            raise ApiError(503, "the model is still loading; retry shortly")
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError as e:
+            param = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else None
+            raise ApiError(400, f"invalid request: {e}",
+                           param=param.split("[")[0].split(".")[0] if param else None) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+    async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
+        """A request body's prompts (token ids), max_tokens and logprobs count."""
+        self._check_model(body.model)  # before any tokenizing is spent on it
+        if isinstance(body, CompletionRequest):
+            if body.echo and body.logprobs is not None:
+                raise ApiError(400, "echo together with logprobs is not supported (prompt "
+                                    "logprobs are not computed)", param="echo")
+            return await self._completion_prompts(body.prompt), body.max_tokens, body.logprobs
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return ([await self._chat_prompt(body)], body.max_completion_tokens or body.max_tokens,
+                logprobs)
+
+    def engine_requests(self, body: Body, rid: str, prompts: list[list[int]],
+                        max_tokens: int | None, logprobs: int | None, tenant: str
+                        ) -> list[EngineRequest]:
+        """One request per choice, n per prompt in order (seeds seed, seed+1, ...)."""
+        requests: list[EngineRequest] = []
+        for i, prompt in enumerate(prompts):
+            params = self._sampling(body, len(prompt), max_tokens, logprobs)
+            for j in range(body.n):
+                index = i * body.n + j
+                seeded = params if body.seed is None else msgspec.structs.replace(
+                    params, seed=_int64(body.seed + j))
+                requests.append(EngineRequest(
+                    request_id=rid if len(prompts) * body.n == 1 else f"{rid}-{index}",
+                    prompt_token_ids=prompt, sampling=seeded, arrival_time=time.time(),
+                    tenant=tenant, priority=body.priority, timeout_s=body.timeout))
+        return requests
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def _off_loop_if_long(self, size: int, fn: Callable[[Any], list[int]],
+                                arg: Any) -> list[int]:
+        if size <= _INLINE_TOKENIZE_CHARS:
+            return fn(arg)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+
+    async def _tokenize(self, text: str) -> list[int]:
+        return await self._off_loop_if_long(len(text), self.tokenizer.encode, text)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role if m.role != "developer" else "system",
+                     "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content or [])}
+                    for m in body.messages]
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            return await self._off_loop_if_long(size, self.tokenizer.apply_chat_template,
+                                                messages)
+        except (ValueError, TemplateError) as e:
+            raise ApiError(400, f"the model's chat template refused these messages: {e}",
+                           param="messages") from None
+
+    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self._tokenize(prompt)]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [await self._tokenize(p) for p in prompt]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
+                                "either (not a mix)", param="prompt")
+        self._check_token_ids([t for p in prompts for t in p], "prompt")
+        return prompts
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary (size "
+                                f"{vocab})", param=param)
+
+    def _sampling(self, body: Body, prompt_len: int, max_tokens: int | None,
+                  logprobs: int | None) -> SamplingParams:
+        if prompt_len == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        limit = self.max_prompt_tokens
+        if limit and prompt_len > limit:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this server accepts at "
+                                f"most {limit} (max_prompt_tokens)", param="prompt")
+        room = self.max_model_len - prompt_len
+        ready = self.engine.ready.result()
+        capacity = ready.num_blocks * ready.block_size
+        if max_tokens is None:  # as much as the context window and the KV cache allow
+            max_tokens = max(1, min(room, capacity - prompt_len))
+        if max_tokens > room:
+            raise ApiError(
+                400, f"this model's context window is {self.max_model_len} tokens, but the "
+                     f"prompt has {prompt_len} tokens and max_tokens is {max_tokens} "
+                     f"({prompt_len + max_tokens} in all); shorten the prompt or lower max_tokens",
+                param="max_tokens")
+        if prompt_len + max_tokens > capacity:
+            raise ApiError(
+                400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
+                     f"the KV cache ({capacity} tokens)", param="max_tokens")
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens "
+                                f"({max_tokens})", param="min_tokens")
+        stops = list(body.stop_token_ids or [])
+        self._check_token_ids(stops, "stop_token_ids")
+        if not body.ignore_eos:
+            stops += self.tokenizer.eos_token_ids
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.tokenizer.vocab_size:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model",
+                               param="logit_bias")
+            bias[int(key)] = value
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=bias,
+            min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops)
+
+
+def stop_strings(body: Body) -> list[str]:
+    """The body's stop strings (matched in the frontend, on the detokenized text)."""
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def _int64(value: int) -> int:
+    """Wrap into a signed 64-bit integer (seed + j may step past the top)."""
+    return (value + 2**63) % 2**64 - 2**63
