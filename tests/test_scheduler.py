@@ -117,8 +117,7 @@ def test_block_manager_basics():
     tenant = Tenant("default", TenantConfig(), 0.0)
     seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0, tenant)
     assert bm.lookup(seq.token_ids) == []
-    bm.admit(seq, [])
-    bm.allocate(seq, 9)
+    assert bm.allocate(seq, 9)
     assert len(seq.block_table) == 3 and bm.num_free == 1
     seq.num_computed_tokens = 9
     bm.name_full_blocks(seq)
@@ -129,7 +128,7 @@ def test_block_manager_basics():
     assert bm.lookup(list(range(8))) == seq.block_table[:1]
     bm.free(seq)
     assert bm.num_free == 4 and len(bm.evictable) == 2
-    bm.admit(other, bm.lookup(other.token_ids))
+    assert bm.allocate(other, 9, bm.lookup(other.token_ids))
     assert other.num_computed_tokens == 8 and bm.ref_count[other.block_table[0]] == 1
     assert bm.hit_tokens == 8
 
