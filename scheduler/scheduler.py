@@ -9,7 +9,6 @@ later step after every earlier step has finished with it.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from surge.protocol import (
     EngineRequest,
     RequestOutput,
     ScheduledSeq,
+    SeqResult,
     StepPlan,
     StepResult,
 )
@@ -352,25 +352,18 @@ class Scheduler:
         """Append each sequence's new tokens (with proposals, those accepted and one more),
         apply the stop checks, take back rejected proposals' slots, free what finished."""
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
-        sampled = iter(result.sampled_token_ids)
-        logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
-        accepted = iter(result.num_accepted or itertools.repeat(0))
-        drafts = iter(result.drafts or itertools.repeat([]))
         outputs = []
         now = self.clock()
         for item in plan.seqs:
             if not item.sample:
                 continue
-            num_accepted, draft = next(accepted), next(drafts)
-            tokens = list(islice(sampled, num_accepted + 1))
-            token_logprobs = list(islice(logprobs, num_accepted + 1))
+            new = result.seqs[item.seq_id]
             seq = self.seqs.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1
-            self._settle_speculation(seq, item, num_accepted, draft, plan.step_id,
-                                     len(plan.seqs))
-            reason = None
+            self._settle_speculation(seq, item, new, plan.step_id, len(plan.seqs))
+            tokens, reason = new.token_ids, None
             for n, token in enumerate(tokens, 1):
                 seq.token_ids.append(token)
                 if token in seq.sampling.stop_token_ids:
@@ -378,20 +371,21 @@ class Scheduler:
                 elif seq.num_output_tokens >= seq.sampling.max_tokens:
                     reason = "length"
                 if reason:
-                    del tokens[n:], token_logprobs[n:]
+                    tokens = tokens[:n]
                     break
             seq.tenant.tokens.take(len(tokens), now)
             if reason:
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
-            outputs.append(RequestOutput(seq.request_id, tokens, reason, None,
-                                         None if token_logprobs[0] is None else token_logprobs))
+            logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
+            outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
         return outputs
 
-    def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, num_accepted: int,
-                            draft: list[int], step: int, batch: int) -> None:
+    def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, new: SeqResult, step: int,
+                            batch: int) -> None:
         """Roll seq back to its accepted tokens, keep the draft model's next proposals."""
+        num_accepted = len(new.token_ids) - 1
         if item.num_draft:
             self.spec.record(seq, item.num_draft, num_accepted, step, batch)
         if not (item.num_draft or item.propose):
@@ -399,7 +393,7 @@ class Scheduler:
         seq.spec_inflight = False
         if seq.status is not Status.RUNNING:
             return  # preempted meanwhile: it starts over from its tokens
-        seq.draft = draft
+        seq.draft = new.draft
         seq.num_computed_tokens -= item.num_draft - num_accepted
         if not seq.num_pending:  # no later step holds its table
             self.blocks.trim(seq, seq.num_computed_tokens)

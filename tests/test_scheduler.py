@@ -15,7 +15,14 @@ from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.tenants import Tenant
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
-from surge.protocol import PREVIOUS_TOKEN, EngineRequest, SamplingParams, StepPlan, StepResult
+from surge.protocol import (
+    PREVIOUS_TOKEN,
+    EngineRequest,
+    SamplingParams,
+    SeqResult,
+    StepPlan,
+    StepResult,
+)
 
 EOS = 2
 
@@ -54,7 +61,7 @@ class FakeWorker:
         return truth[pos]
 
     def run(self, plan: StepPlan) -> StepResult:
-        sampled, num_accepted, proposals = [], [], []
+        results: dict[int, SeqResult] = {}
         for item in plan.seqs:
             truth = self.truth[item.seq_id]
             known = len(item.token_ids) - item.num_draft
@@ -77,16 +84,16 @@ class FakeWorker:
                 assert self.slots.get(slot) == self.truth[item.seq_id][pos], \
                     f"seq {item.seq_id} reads a wrong K/V at position {pos}"
             if item.sample:
-                sampled += [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
-                num_accepted.append(accepted)
+                sampled = [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
                 self.last_sampled[item.seq_id] = sampled[-1]
                 # A draft model's proposals: its steps write K/V from the newest token on, so
                 # those slots must be there; right at even positions, wrong at odd ones.
                 newest = end + accepted
                 assert len(item.block_table) * self.bs >= newest + item.propose
-                proposals.append([self._true(item.seq_id, newest + 1 + i) + (newest % 2)
-                               for i in range(item.propose)])
-        return StepResult(plan.step_id, sampled, num_accepted=num_accepted, drafts=proposals)
+                proposals = [self._true(item.seq_id, newest + 1 + i) + (newest % 2)
+                             for i in range(item.propose)]
+                results[item.seq_id] = SeqResult(sampled, None, proposals)
+        return StepResult(plan.step_id, results)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -269,12 +276,16 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             assert len(out) == max_tokens and out[-1] != EOS
 
 
+def _sampled(plan: StepPlan, token: int) -> StepResult:
+    """Every sampling sequence of the plan got `token`."""
+    return StepResult(plan.step_id, {s.seq_id: SeqResult([token]) for s in plan.seqs if s.sample})
+
+
 def _drain(sched: Scheduler) -> dict[str, str]:
     done = {}
     while sched.has_work():
         plan = sched.schedule()
-        sampled = [7] * sum(s.sample for s in plan.seqs)
-        for o in sched.update(plan, StepResult(plan.step_id, sampled)):
+        for o in sched.update(plan, _sampled(plan, 7)):
             if o.finish_reason:
                 done[o.request_id] = o.finish_reason
     return done
@@ -290,7 +301,7 @@ def test_preemption_when_blocks_run_out_picks_least_urgent_latest():
     order = []
     real = sched._preempt
     sched._preempt = lambda seq: (order.append(seq.request_id), real(seq))[1]
-    sched.update(plan, StepResult(plan.step_id, [7, 7, 7]))
+    sched.update(plan, _sampled(plan, 7))
     done = _drain(sched)
     assert done == {"urgent-late": "length", "lax-early": "length", "normal": "length"}
     assert order and order[0] == "lax-early"
@@ -300,15 +311,14 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first():
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=10), num_blocks=64)
     sched.add(_request("short", [9, 9], 6))
     plan = sched.schedule()
-    sched.update(plan, StepResult(plan.step_id, [7]))
+    sched.update(plan, _sampled(plan, 7))
     sched.add(_request("long", [5] * 35, 2))
     sizes = []
     while sched.has_work():
         plan = sched.schedule()
         sizes.append([(sched.seqs[s.seq_id].request_id, len(s.token_ids)) for s in plan.seqs
                       if s.seq_id in sched.seqs])
-        sampled = [7] * sum(s.sample for s in plan.seqs)
-        sched.update(plan, StepResult(plan.step_id, sampled))
+        sched.update(plan, _sampled(plan, 7))
     # The short request decodes every step while the long prompt goes through in 9-token chunks.
     assert sizes[0] == [("short", 1), ("long", 9)]
     assert [n for step in sizes for rid, n in step if rid == "long"] == [9, 9, 9, 8, 1]
