@@ -1,6 +1,6 @@
-"""Scheduler, block manager and prefix cache invariants under any interleaving of requests,
-overlapped steps, preemptions and aborts, checked against a fake worker that records which
-token each KV slot holds."""
+"""Scheduler and prefix cache invariants under any interleaving of requests, overlapped steps,
+preemptions and aborts, checked against a fake worker that records which token each KV slot
+holds (the block manager's own invariants: check_blocks, after every action)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from collections import deque
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_manager import BlockManager, block_hash
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
-from scheduler.tenants import Tenant
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
@@ -23,6 +20,7 @@ from surge.protocol import (
     StepPlan,
     StepResult,
 )
+from tests.test_block_manager import check_blocks
 
 EOS = 2
 
@@ -96,50 +94,6 @@ class FakeWorker:
         return StepResult(plan.step_id, results)
 
 
-def check_blocks(sched: Scheduler) -> None:
-    bm = sched.blocks
-    holders: dict[int, int] = {}
-    for seq in sched.requests.values():
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for b in seq.block_table:
-            holders[b] = holders.get(b, 0) + 1
-    free = list(bm.unnamed) + list(bm.evictable)
-    assert len(set(free)) == len(free), "a block is free twice"
-    for b in range(bm.num_blocks):
-        assert bm.ref_count[b] == holders.get(b, 0), f"block {b}: wrong reference count"
-        assert (b in free) == (bm.ref_count[b] == 0), f"block {b} is both used and free, or lost"
-    assert all(b in bm.name_of for b in bm.evictable)
-    for h, b in bm.by_hash.items():
-        assert bm.name_of[b][0] == h
-    for seq in sched.requests.values():  # a sequence's names are the chain over its tokens
-        parent = None
-        for i, h in enumerate(seq.block_hashes):
-            tokens = tuple(seq.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
-            assert h == block_hash(parent, tokens)
-            parent = h
-
-
-def test_block_manager_basics():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    tenant = Tenant("default", TenantConfig(), 0.0)
-    seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0, tenant)
-    assert bm.lookup(seq.token_ids) == []
-    assert bm.allocate(seq, 9)
-    assert len(seq.block_table) == 3 and bm.num_free == 1
-    seq.num_computed_tokens = 9
-    bm.name_full_blocks(seq)
-    assert len(seq.block_hashes) == 2
-    other = Sequence(1, "b", [*range(8), 99], SamplingParams(max_tokens=1), 0, 0.0, tenant)
-    assert bm.lookup(other.token_ids) == seq.block_table[:2]
-    # An exact copy of a cached prompt still computes its last token.
-    assert bm.lookup(list(range(8))) == seq.block_table[:1]
-    bm.free(seq)
-    assert bm.num_free == 4 and len(bm.evictable) == 2
-    assert bm.allocate(other, 9, bm.lookup(other.token_ids))
-    assert other.num_computed_tokens == 8 and bm.ref_count[other.block_table[0]] == 1
-    assert bm.hit_tokens == 8
-
-
 prefixes = [[5 + (i * 13 + k) % 30 for i in range(40)] for k in range(3)]
 prompts = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)).map(
     lambda t: prefixes[t[0]][: t[1]] + [40 + t[2]] * (t[2] % 5 + 1))
@@ -205,7 +159,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             outputs[out.request_id].extend(out.new_token_ids)
             if out.finish_reason:
                 ended[out.request_id] = out.finish_reason
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
 
     def step() -> None:
         clock[0] += 1.0
@@ -220,7 +174,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
         assert len(plan.seqs) <= max_seqs
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs)
         inflight.append((plan, worker.run(plan)))
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
 
     for kind, prompt, a, priority in actions:
         if kind == "add":
@@ -249,7 +203,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             for out in sched.abort([rid]):
                 assert out.request_id not in ended
                 ended[out.request_id] = out.finish_reason
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
     for _ in range(10_000):
         if not sched.has_work() and not inflight:
             break
