@@ -14,7 +14,7 @@ import random
 
 from scheduler.scheduler import Scheduler
 from surge.config import SchedulerConfig
-from surge.protocol import EngineRequest, SamplingParams, StepResult
+from surge.protocol import EngineRequest, SamplingParams, SeqResult, StepResult
 
 
 def simulate(bucketing: bool, seed: int = 0) -> dict:
@@ -35,7 +35,7 @@ def simulate(bucketing: bool, seed: int = 0) -> dict:
         if decode_ctx:
             padded += len(decode_ctx) * max(decode_ctx)
             useful += sum(decode_ctx)
-        sampled = [7] * sum(s.sample for s in plan.seqs)
+        sampled = {s.seq_id: SeqResult([7]) for s in plan.seqs if s.sample}
         for out in sched.update(plan, StepResult(plan.step_id, sampled)):
             first_token.setdefault(out.request_id, steps)
     return {"padding_overhead": padded / useful - 1, "steps": steps,

@@ -20,6 +20,7 @@ from surge.protocol import (
     PREVIOUS_TOKEN,
     SamplingParams,
     ScheduledSeq,
+    SeqResult,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -298,34 +299,30 @@ class ModelRunner:
         return self.draft.propose(newest, p.context - p.num_draft + taken, p.tables, p.k)
 
     def finish(self, launched: Launched) -> StepResult:
-        """Wait for the sampled ids: each sampling sequence's new tokens in plan order."""
+        """Wait for the sampled ids: each sampling sequence's new tokens."""
         if launched.ready is not None:
             launched.ready.synchronize()
         step = launched.step
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
         accepted = None if launched.accepted is None else launched.accepted.tolist()
         logprobs = launched.logprobs
-        # Back to plan order, which is how the scheduler reads them.
-        new: list[int] = []
-        new_logprobs: list[TokenLogprobs | None] = []
-        num_accepted: list[int] = []
+        drafts: dict[int, list[int]] = {}
+        if launched.drafts is not None and step.proposers is not None:
+            drafts = dict(zip(step.proposers.seq_ids, launched.drafts.tolist(), strict=True))
+        seqs: dict[int, SeqResult] = {}
         self.last_sampled = {}
-        for s in step.plan.seqs:
+        for s in step.seqs:
             if not s.sample:
                 continue
             first, taken = step.first_row[s.seq_id], 0
             while accepted and taken < s.num_draft and accepted[first + taken]:
                 taken += 1
-            new += tokens[first : first + taken + 1]
-            new_logprobs += logprobs[first : first + taken + 1]
-            num_accepted.append(taken)
+            rows = slice(first, first + taken + 1)
+            asked = bool(logprobs) and logprobs[first] is not None
+            seqs[s.seq_id] = SeqResult(tokens[rows], logprobs[rows] if asked else None,
+                                       drafts.get(s.seq_id, []))
             self.last_sampled[s.seq_id] = tokens[first + taken]
-        drafts: list[list[int]] = []
-        if launched.drafts is not None and step.proposers is not None:
-            proposed = dict(zip(step.proposers.seq_ids, launched.drafts.tolist(), strict=True))
-            drafts = [proposed.get(s.seq_id, []) for s in step.plan.seqs if s.sample]
-        return StepResult(step.plan.step_id, new, new_logprobs,
-                          num_accepted if accepted is not None else [], drafts)
+        return StepResult(step.plan.step_id, seqs)
 
     def _history(self, s: ScheduledSeq) -> list[int] | None:
         """Every token of s up to the one being sampled, for penalties (None without them)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Collection
 
 from scheduler.sequence import Sequence
 
@@ -43,9 +44,14 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks seq needs so that its first num_tokens tokens have slots."""
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+    def blocks_to_allocate(self, seq: Sequence, num_tokens: int,
+                           hits: Collection[int] = ()) -> int:
+        """Free blocks seq would take to have slots for its first num_tokens tokens, starting on
+        its cached prefix `hits` if it holds no blocks yet: the new ones, and the hits nobody
+        holds (they are counted as free, and leave the free lists when taken)."""
+        reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
+        held = len(seq.block_table) + len(hits)
+        return max(0, self.blocks_for(num_tokens) - held) + reused_free
 
     # ---- prefix cache ----
 
@@ -66,22 +72,6 @@ class BlockManager:
             hits.append(block)
             parent = h
         return hits
-
-    def can_admit(self, hits: list[int], num_tokens: int) -> bool:
-        """Whether a sequence reusing `hits` can get slots for its first num_tokens tokens."""
-        reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
-        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - reused_free
-
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Start seq on its cached prefix: a reference on each hit, those tokens computed."""
-        assert not seq.block_table
-        for block in hits:
-            self._take(block)
-        seq.block_table = list(hits)
-        seq.block_hashes = [self.name_of[b][0] for b in hits]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_computed_tokens
 
     def name_full_blocks(self, seq: Sequence) -> None:
         """Name every block of seq that its computed tokens now fill, so others can reuse it."""
@@ -125,11 +115,24 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq's block table to cover num_tokens; the caller checked blocks_needed first."""
-        need = self.blocks_needed(seq, num_tokens)
-        assert need <= self.num_free, f"{seq} needs {need} blocks, {self.num_free} free"
+    def allocate(self, seq: Sequence, num_tokens: int, hits: Collection[int] = ()) -> bool:
+        """Give seq slots for its first num_tokens tokens if enough blocks are free; if not,
+        change nothing and say False. A sequence holding no blocks yet is being admitted: it
+        starts on `hits` (see lookup), those tokens computed, and counts toward the hit rate."""
+        assert not (hits and seq.block_table), "only an admission starts on cached blocks"
+        if self.blocks_to_allocate(seq, num_tokens, hits) > self.num_free:
+            return False
+        if not seq.block_table:
+            for block in hits:
+                self._take(block)
+            seq.block_table = list(hits)
+            seq.block_hashes = [self.name_of[b][0] for b in hits]
+            seq.num_computed_tokens = len(hits) * self.block_size
+            self.queried_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed_tokens
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
         seq.block_table.extend(self._fresh_block() for _ in range(need))
+        return True
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past its first num_tokens tokens (slots of rejected

@@ -181,7 +181,7 @@ class SchedulerLoop:
             done = inflight.popleft()
             sched.cost.record(sum(len(s.token_ids) for s in done.seqs), result.compute_s)
             outputs = sched.update(done, result)
-            self.stats.record_step(done, result, len(outputs), self._continuous)
+            self.stats.record_step(done, result, outputs, self._continuous)
             self._continuous = sched.has_work()
             if outputs:
                 self.outputs.send(encode(EngineOutputs(outputs)))

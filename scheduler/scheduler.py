@@ -9,7 +9,6 @@ later step after every earlier step has finished with it.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from surge.protocol import (
     EngineRequest,
     RequestOutput,
     ScheduledSeq,
+    SeqResult,
     StepPlan,
     StepResult,
 )
@@ -105,12 +105,7 @@ class Scheduler:
         self._next_seq_id += 1
         self.requests[req.request_id] = seq
         self.seqs[seq.seq_id] = seq
-        if not tenant.num_waiting + tenant.num_running:
-            # Back from idle: no credit for the time away, or it would starve the others.
-            active = [t.vtime for t in self.admission.tenants.values()
-                      if t.num_waiting + t.num_running]
-            if active:
-                tenant.vtime = max(tenant.vtime, min(active))
+        tenant.catch_up(self.admission.tenants.values())
         self.waiting.add(seq)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, seq.seq_id))
@@ -215,7 +210,7 @@ class Scheduler:
         # Aged like the waiting ones, so two requests never preempt each other in turn.
         classes = {s.seq_id: urgency(s, self.cfg, now)[0] for s in self.running}
         seats = max_seqs - len(self.running)
-        free = self.blocks.num_free
+        reserved = 0  # free blocks the more urgent ones before seq will take
         for seq in islice(self.waiting.order(self.cfg, now), max_seqs):
             urgent = urgency(seq, self.cfg, now)[0]
             if urgent >= max(classes.values(), default=urgent):
@@ -224,19 +219,22 @@ class Scheduler:
                 continue
             hits = self.blocks.lookup(seq.token_ids)
             cached = len(hits) * self.cfg.block_size
-            need = self.blocks.blocks_for(
-                cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)) - len(hits)
-            while seats < 1 or free < need:
+            num_tokens = cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)
+            while True:
+                # Counted again after each preemption: a victim returns only the blocks nobody
+                # else holds, and may have held some of seq's cached prefix.
+                need = self.blocks.blocks_to_allocate(seq, num_tokens, hits)
+                if seats > 0 and need <= self.blocks.num_free - reserved:
+                    break
                 lax = [s for s in self.running if classes[s.seq_id] > urgent]
                 if not lax:
                     return
                 victim = self._victim(lax)
-                free += len(victim.block_table)  # at most: some may be shared
                 seats += 1
                 self._preempt(victim)
                 del classes[victim.seq_id]
             seats -= 1
-            free -= need
+            reserved += need
 
     def schedule(self) -> StepPlan | None:
         """Pack the next step within the token budget: decodes first, then the chunks of
@@ -263,8 +261,7 @@ class Scheduler:
             n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if n == 0:
                 continue
-            need = seq.num_computed_tokens + n
-            while self.blocks.blocks_needed(seq, need) > self.blocks.num_free:
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
                 # Never a sequence already in this step: its slots are about to be written.
                 taken = {s.seq_id for s in chosen}
                 victim = self._victim([s for s in self.running if s.seq_id not in taken])
@@ -273,7 +270,6 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 drafts, propose = self._speculation(seq, n, budget) if speculate else ([], 0)
-                self.blocks.allocate(seq, need + len(drafts) + propose)
                 chosen.append(self._scheduled(seq, n, drafts, propose))
                 budget -= n + len(drafts)
         for seq in self._admission_order(seats):
@@ -284,14 +280,12 @@ class Scheduler:
             hits = self.blocks.lookup(seq.token_ids)
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
-            if not self.blocks.can_admit(hits, cached + n):
+            if not self.blocks.allocate(seq, cached + n, hits):
                 break
             if seq.first_scheduled is None:
                 seq.first_scheduled = self.clock()
                 self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
             self._start(seq)
-            self.blocks.admit(seq, hits)
-            self.blocks.allocate(seq, cached + n)
             chosen.append(self._scheduled(seq, n))
             budget -= n
         if not chosen:
@@ -315,7 +309,8 @@ class Scheduler:
 
     def _speculation(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int]:
         """Tokens for seq to verify after its n, and how many the draft model should propose
-        after this step; none where the KV cache has no spare room (they never preempt)."""
+        after this step, with their slots allocated; none where the KV cache has no spare room
+        (they never preempt)."""
         ends = seq.num_computed_tokens + n == seq.num_tokens  # samples, last token known
         if not ends or not self.spec.eligible(seq, self._next_step_id):
             return [], 0
@@ -324,8 +319,7 @@ class Scheduler:
         # further than max_tokens reaches, which the context window holds.
         propose = 0 if self.spec.cfg.speculative_method != "draft" else \
             max(0, min(self.spec.cfg.num_speculative_tokens, seq.remaining_output - len(drafts)))
-        if self.blocks.blocks_needed(seq, seq.num_computed_tokens + n + len(drafts) + propose) \
-                > self.blocks.num_free:
+        if not self.blocks.allocate(seq, seq.num_computed_tokens + n + len(drafts) + propose):
             return [], 0
         return drafts, propose
 
@@ -358,25 +352,18 @@ class Scheduler:
         """Append each sequence's new tokens (with proposals, those accepted and one more),
         apply the stop checks, take back rejected proposals' slots, free what finished."""
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
-        sampled = iter(result.sampled_token_ids)
-        logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
-        accepted = iter(result.num_accepted or itertools.repeat(0))
-        drafts = iter(result.drafts or itertools.repeat([]))
         outputs = []
         now = self.clock()
         for item in plan.seqs:
             if not item.sample:
                 continue
-            num_accepted, draft = next(accepted), next(drafts)
-            tokens = list(islice(sampled, num_accepted + 1))
-            token_logprobs = list(islice(logprobs, num_accepted + 1))
+            new = result.seqs[item.seq_id]
             seq = self.seqs.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1
-            self._settle_speculation(seq, item, num_accepted, draft, plan.step_id,
-                                     len(plan.seqs))
-            reason = None
+            self._settle_speculation(seq, item, new, plan.step_id, len(plan.seqs))
+            tokens, reason = new.token_ids, None
             for n, token in enumerate(tokens, 1):
                 seq.token_ids.append(token)
                 if token in seq.sampling.stop_token_ids:
@@ -384,20 +371,21 @@ class Scheduler:
                 elif seq.num_output_tokens >= seq.sampling.max_tokens:
                     reason = "length"
                 if reason:
-                    del tokens[n:], token_logprobs[n:]
+                    tokens = tokens[:n]
                     break
             seq.tenant.tokens.take(len(tokens), now)
             if reason:
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
-            outputs.append(RequestOutput(seq.request_id, tokens, reason, None,
-                                         None if token_logprobs[0] is None else token_logprobs))
+            logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
+            outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
         return outputs
 
-    def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, num_accepted: int,
-                            draft: list[int], step: int, batch: int) -> None:
+    def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, new: SeqResult, step: int,
+                            batch: int) -> None:
         """Roll seq back to its accepted tokens, keep the draft model's next proposals."""
+        num_accepted = len(new.token_ids) - 1
         if item.num_draft:
             self.spec.record(seq, item.num_draft, num_accepted, step, batch)
         if not (item.num_draft or item.propose):
@@ -405,7 +393,7 @@ class Scheduler:
         seq.spec_inflight = False
         if seq.status is not Status.RUNNING:
             return  # preempted meanwhile: it starts over from its tokens
-        seq.draft = draft
+        seq.draft = new.draft
         seq.num_computed_tokens -= item.num_draft - num_accepted
         if not seq.num_pending:  # no later step holds its table
             self.blocks.trim(seq, seq.num_computed_tokens)

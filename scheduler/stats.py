@@ -11,7 +11,7 @@ from prometheus_client import Counter
 from scheduler.scheduler import Scheduler
 from surge import metrics
 from surge.config import LIVE_SECTION, SurgeConfig
-from surge.protocol import EngineStats, StepPlan, StepResult
+from surge.protocol import EngineStats, RequestOutput, StepPlan, StepResult
 
 # The snapshot's running totals that Prometheus counters follow.
 _COUNTERS = (("prefix_queried_tokens", metrics.prefix_queries),
@@ -33,13 +33,14 @@ class StatsCollector:
         self._exported: dict[str, int] = {}  # counter totals already exported, by series
         self._queues_seen: set[tuple[str, str]] = set()  # (priority, tenant) labels exported
 
-    def record_step(self, plan: StepPlan, result: StepResult, num_outputs: int,
+    def record_step(self, plan: StepPlan, result: StepResult, outputs: list[RequestOutput],
                     continuous: bool) -> None:
         """A finished step; continuous: the engine had work when the previous one ended."""
         tokens = sum(len(s.token_ids) for s in plan.seqs)
         self.steps += 1
         self.scheduled_tokens += tokens
-        self.generated_tokens += num_outputs
+        # Tokens, not outputs: an output carries several when proposals were accepted.
+        self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.worker_compute_s += result.compute_s
         self.worker_forward_s += result.forward_s
         if continuous:  # the worker's wait before an idle engine's first step is not

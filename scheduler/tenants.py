@@ -4,6 +4,7 @@ weighted fair sharing."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from surge.config import TenantConfig
 
@@ -80,3 +81,12 @@ class Tenant:
     def serve(self, num_tokens: int) -> None:
         self.served_tokens += num_tokens
         self.vtime += num_tokens / self.cfg.weight
+
+    def catch_up(self, tenants: Iterable[Tenant]) -> None:
+        """A tenant back from idle starts at the lowest virtual time among the busy ones: no
+        credit for the time away, or it would starve the others."""
+        if self.num_waiting + self.num_running:
+            return
+        busy = [t.vtime for t in tenants if t.num_waiting + t.num_running]
+        if busy:
+            self.vtime = max(self.vtime, min(busy))

@@ -155,14 +155,19 @@ class WorkerReady(Struct, tag=True, kw_only=True):
     description: str
 
 
+class SeqResult(Struct, array_like=True):
+    """What a step sampled for one sequence."""
+
+    token_ids: list[int]  # the proposals it accepted, if any, then the model's own next token
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
+    draft: list[int] = []  # the draft model's proposals for the next step
+
+
 class StepResult(Struct, tag=True):
     step_id: int
-    # The new tokens of each ScheduledSeq with sample=True, in plan order: one each, or with
-    # proposals, the num_accepted[i] accepted ones and then the model's own next token.
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = []  # one per new token, where asked (empty: nobody)
-    num_accepted: list[int] = []  # one per sampling ScheduledSeq (empty: nobody proposed)
-    drafts: list[list[int]] = []  # likewise, the draft model's proposals for the next step
+    # One per ScheduledSeq with sample=True, by seq_id rather than by position, so that no
+    # side depends on the order in which the other walks the plan.
+    seqs: dict[int, SeqResult]
     compute_s: float = 0.0  # the worker's time on this step
     forward_s: float = 0.0  # of which the model forward (see ModelRunner.forward_s)
     wait_s: float = 0.0  # how long the worker waited for this plan after the previous step

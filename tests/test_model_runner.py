@@ -61,11 +61,11 @@ def test_next_step_prepared_while_the_previous_one_is_in_flight(tiny):
         return ModelRunner(model, 8, 4, torch.device("cpu"), torch.float32)
 
     one_by_one = runner()
-    expected = [one_by_one.run(p).sampled_token_ids for p in plans()]
+    expected = [one_by_one.run(p).seqs for p in plans()]
     overlapped = runner()
     first, second = plans()
     launched = overlapped.launch(overlapped.prepare(first))
     step = overlapped.prepare(second)
-    got = [overlapped.finish(launched).sampled_token_ids]
-    got.append(overlapped.finish(overlapped.launch(step)).sampled_token_ids)
+    got = [overlapped.finish(launched).seqs]
+    got.append(overlapped.finish(overlapped.launch(step)).seqs)
     assert got == expected

@@ -1,6 +1,6 @@
-"""Scheduler, block manager and prefix cache invariants under any interleaving of requests,
-overlapped steps, preemptions and aborts, checked against a fake worker that records which
-token each KV slot holds."""
+"""Scheduler and prefix cache invariants under any interleaving of requests, overlapped steps,
+preemptions and aborts, checked against a fake worker that records which token each KV slot
+holds (the block manager's own invariants: check_blocks, after every action)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ from collections import deque
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_manager import BlockManager, block_hash
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
-from scheduler.tenants import Tenant
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
-from surge.protocol import PREVIOUS_TOKEN, EngineRequest, SamplingParams, StepPlan, StepResult
+from surge.protocol import (
+    PREVIOUS_TOKEN,
+    EngineRequest,
+    SamplingParams,
+    SeqResult,
+    StepPlan,
+    StepResult,
+)
+from tests.test_block_manager import check_blocks
 
 EOS = 2
 
@@ -54,7 +59,7 @@ class FakeWorker:
         return truth[pos]
 
     def run(self, plan: StepPlan) -> StepResult:
-        sampled, num_accepted, proposals = [], [], []
+        results: dict[int, SeqResult] = {}
         for item in plan.seqs:
             truth = self.truth[item.seq_id]
             known = len(item.token_ids) - item.num_draft
@@ -77,61 +82,16 @@ class FakeWorker:
                 assert self.slots.get(slot) == self.truth[item.seq_id][pos], \
                     f"seq {item.seq_id} reads a wrong K/V at position {pos}"
             if item.sample:
-                sampled += [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
-                num_accepted.append(accepted)
+                sampled = [self._true(item.seq_id, end + i) for i in range(accepted + 1)]
                 self.last_sampled[item.seq_id] = sampled[-1]
                 # A draft model's proposals: its steps write K/V from the newest token on, so
                 # those slots must be there; right at even positions, wrong at odd ones.
                 newest = end + accepted
                 assert len(item.block_table) * self.bs >= newest + item.propose
-                proposals.append([self._true(item.seq_id, newest + 1 + i) + (newest % 2)
-                               for i in range(item.propose)])
-        return StepResult(plan.step_id, sampled, num_accepted=num_accepted, drafts=proposals)
-
-
-def check_blocks(sched: Scheduler) -> None:
-    bm = sched.blocks
-    holders: dict[int, int] = {}
-    for seq in sched.requests.values():
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for b in seq.block_table:
-            holders[b] = holders.get(b, 0) + 1
-    free = list(bm.unnamed) + list(bm.evictable)
-    assert len(set(free)) == len(free), "a block is free twice"
-    for b in range(bm.num_blocks):
-        assert bm.ref_count[b] == holders.get(b, 0), f"block {b}: wrong reference count"
-        assert (b in free) == (bm.ref_count[b] == 0), f"block {b} is both used and free, or lost"
-    assert all(b in bm.name_of for b in bm.evictable)
-    for h, b in bm.by_hash.items():
-        assert bm.name_of[b][0] == h
-    for seq in sched.requests.values():  # a sequence's names are the chain over its tokens
-        parent = None
-        for i, h in enumerate(seq.block_hashes):
-            tokens = tuple(seq.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
-            assert h == block_hash(parent, tokens)
-            parent = h
-
-
-def test_block_manager_basics():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    tenant = Tenant("default", TenantConfig(), 0.0)
-    seq = Sequence(0, "a", list(range(9)), SamplingParams(max_tokens=1), 0, 0.0, tenant)
-    assert bm.lookup(seq.token_ids) == []
-    bm.admit(seq, [])
-    bm.allocate(seq, 9)
-    assert len(seq.block_table) == 3 and bm.num_free == 1
-    seq.num_computed_tokens = 9
-    bm.name_full_blocks(seq)
-    assert len(seq.block_hashes) == 2
-    other = Sequence(1, "b", [*range(8), 99], SamplingParams(max_tokens=1), 0, 0.0, tenant)
-    assert bm.lookup(other.token_ids) == seq.block_table[:2]
-    # An exact copy of a cached prompt still computes its last token.
-    assert bm.lookup(list(range(8))) == seq.block_table[:1]
-    bm.free(seq)
-    assert bm.num_free == 4 and len(bm.evictable) == 2
-    bm.admit(other, bm.lookup(other.token_ids))
-    assert other.num_computed_tokens == 8 and bm.ref_count[other.block_table[0]] == 1
-    assert bm.hit_tokens == 8
+                proposals = [self._true(item.seq_id, newest + 1 + i) + (newest % 2)
+                             for i in range(item.propose)]
+                results[item.seq_id] = SeqResult(sampled, None, proposals)
+        return StepResult(plan.step_id, results)
 
 
 prefixes = [[5 + (i * 13 + k) % 30 for i in range(40)] for k in range(3)]
@@ -199,7 +159,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             outputs[out.request_id].extend(out.new_token_ids)
             if out.finish_reason:
                 ended[out.request_id] = out.finish_reason
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
 
     def step() -> None:
         clock[0] += 1.0
@@ -214,7 +174,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
         assert len(plan.seqs) <= max_seqs
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs)
         inflight.append((plan, worker.run(plan)))
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
 
     for kind, prompt, a, priority in actions:
         if kind == "add":
@@ -243,7 +203,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             for out in sched.abort([rid]):
                 assert out.request_id not in ended
                 ended[out.request_id] = out.finish_reason
-        check_blocks(sched)
+        check_blocks(sched.blocks, sched.requests.values())
     for _ in range(10_000):
         if not sched.has_work() and not inflight:
             break
@@ -270,12 +230,16 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             assert len(out) == max_tokens and out[-1] != EOS
 
 
+def _sampled(plan: StepPlan, token: int) -> StepResult:
+    """Every sampling sequence of the plan got `token`."""
+    return StepResult(plan.step_id, {s.seq_id: SeqResult([token]) for s in plan.seqs if s.sample})
+
+
 def _drain(sched: Scheduler) -> dict[str, str]:
     done = {}
     while sched.has_work():
         plan = sched.schedule()
-        sampled = [7] * sum(s.sample for s in plan.seqs)
-        for o in sched.update(plan, StepResult(plan.step_id, sampled)):
+        for o in sched.update(plan, _sampled(plan, 7)):
             if o.finish_reason:
                 done[o.request_id] = o.finish_reason
     return done
@@ -291,7 +255,7 @@ def test_preemption_when_blocks_run_out_picks_least_urgent_latest():
     order = []
     real = sched._preempt
     sched._preempt = lambda seq: (order.append(seq.request_id), real(seq))[1]
-    sched.update(plan, StepResult(plan.step_id, [7, 7, 7]))
+    sched.update(plan, _sampled(plan, 7))
     done = _drain(sched)
     assert done == {"urgent-late": "length", "lax-early": "length", "normal": "length"}
     assert order and order[0] == "lax-early"
@@ -301,15 +265,14 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first():
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=10), num_blocks=64)
     sched.add(_request("short", [9, 9], 6))
     plan = sched.schedule()
-    sched.update(plan, StepResult(plan.step_id, [7]))
+    sched.update(plan, _sampled(plan, 7))
     sched.add(_request("long", [5] * 35, 2))
     sizes = []
     while sched.has_work():
         plan = sched.schedule()
         sizes.append([(sched.seqs[s.seq_id].request_id, len(s.token_ids)) for s in plan.seqs
                       if s.seq_id in sched.seqs])
-        sampled = [7] * sum(s.sample for s in plan.seqs)
-        sched.update(plan, StepResult(plan.step_id, sampled))
+        sched.update(plan, _sampled(plan, 7))
     # The short request decodes every step while the long prompt goes through in 9-token chunks.
     assert sizes[0] == [("short", 1), ("long", 9)]
     assert [n for step in sizes for rid, n in step if rid == "long"] == [9, 9, 9, 8, 1]

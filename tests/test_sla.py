@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from scheduler.scheduler import Scheduler
 from surge.config import SchedulerConfig, TenantConfig
-from surge.protocol import EngineRequest, RequestOutput, SamplingParams, StepResult
+from surge.protocol import EngineRequest, RequestOutput, SamplingParams, SeqResult, StepResult
 
 
 class Sim:
@@ -61,7 +61,7 @@ class Sim:
         cost = self.step_s + self.per_token_s * tokens
         self.sched.cost.record(tokens, cost)
         self.now += cost
-        sampled = [5] * sum(s.sample for s in plan.seqs)
+        sampled = {s.seq_id: SeqResult([5]) for s in plan.seqs if s.sample}
         for out in self.sched.update(plan, StepResult(plan.step_id, sampled)):
             self.started.setdefault(out.request_id, self.now)
             if out.finish_reason:

@@ -12,7 +12,15 @@ from scheduler import admin
 from scheduler.scheduler import Scheduler
 from scheduler.stats import StatsCollector
 from surge.config import SchedulerConfig, SurgeConfig, TenantConfig
-from surge.protocol import AdminRequest, EngineRequest, SamplingParams, StepPlan, StepResult
+from surge.protocol import (
+    AdminRequest,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    SeqResult,
+    StepPlan,
+    StepResult,
+)
 
 # Counters and histograms are process-wide: the test compares them with their start values.
 _TOTALS = [("surge_batch_size_count", {}), ("surge_step_tokens_sum", {}),
@@ -39,9 +47,9 @@ def _step(sched: Scheduler, stats: StatsCollector, continuous: bool) -> StepPlan
     """Plan a step and feed back what a fake worker would answer: one token per sequence."""
     plan = sched.schedule()
     assert plan is not None
-    result = StepResult(plan.step_id, [7] * sum(s.sample for s in plan.seqs), compute_s=0.25,
-                        forward_s=0.125, wait_s=0.5)
-    stats.record_step(plan, result, len(sched.update(plan, result)), continuous)
+    result = StepResult(plan.step_id, {s.seq_id: SeqResult([7]) for s in plan.seqs if s.sample},
+                        compute_s=0.25, forward_s=0.125, wait_s=0.5)
+    stats.record_step(plan, result, sched.update(plan, result), continuous)
     return plan
 
 
@@ -91,3 +99,12 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     reply, _ = admin.handle(AdminRequest("stats"), cfg, snap)
     builtins = msgspec.to_builtins(snap)
     assert builtins.pop("type") == "EngineStats" and reply.values == builtins
+
+
+def test_generated_tokens_count_tokens_not_outputs():
+    """With speculation one output carries every token a sequence gained in the step."""
+    stats = StatsCollector()
+    plan = StepPlan(0, [])
+    stats.record_step(plan, StepResult(0, {}), [RequestOutput("a", [5, 6, 7]),
+                                                RequestOutput("b", [8])], continuous=True)
+    assert stats.generated_tokens == 4

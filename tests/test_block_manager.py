@@ -1,0 +1,168 @@
+"""BlockManager on its own: allocation checked and taken in one call, the prefix cache, and
+reference counts and free lists that stay consistent under any order of calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.block_manager import BlockManager, block_hash
+from scheduler.sequence import Sequence
+from scheduler.tenants import Tenant
+from surge.config import TenantConfig
+from surge.protocol import SamplingParams
+
+
+def check_blocks(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
+    """Each block's reference count is how many of seqs hold it; a block is free exactly when
+    nobody holds it, on one free list, named there only if evictable; names chain over tokens."""
+    seqs = list(seqs)
+    holders: dict[int, int] = {}
+    for seq in seqs:
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for b in seq.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    free = list(bm.unnamed) + list(bm.evictable)
+    assert len(set(free)) == len(free), "a block is free twice"
+    for b in range(bm.num_blocks):
+        assert bm.ref_count[b] == holders.get(b, 0), f"block {b}: wrong reference count"
+        assert (b in free) == (bm.ref_count[b] == 0), f"block {b} is both used and free, or lost"
+    assert all(b in bm.name_of for b in bm.evictable)
+    assert not any(b in bm.name_of for b in bm.unnamed)
+    for h, b in bm.by_hash.items():
+        assert bm.name_of[b][0] == h
+    for seq in seqs:  # a sequence's names are the chain over its tokens
+        parent = None
+        for i, h in enumerate(seq.block_hashes):
+            tokens = tuple(seq.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
+            assert h == block_hash(parent, tokens)
+            parent = h
+
+
+def _seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, str(seq_id), tokens, SamplingParams(max_tokens=1), 0, 0.0,
+                    Tenant("default", TenantConfig(), 0.0))
+
+
+def _computed(bm: BlockManager, seq: Sequence) -> None:
+    """A step computed every token seq has slots for."""
+    seq.num_computed_tokens = min(len(seq.block_table) * bm.block_size, seq.num_tokens)
+    bm.name_full_blocks(seq)
+
+
+def _state(bm: BlockManager) -> tuple:
+    return (list(bm.ref_count), list(bm.unnamed), list(bm.evictable), dict(bm.name_of),
+            bm.queried_tokens, bm.hit_tokens)
+
+
+def test_block_manager_basics():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = _seq(0, list(range(9)))
+    assert bm.lookup(seq.token_ids) == []
+    assert bm.allocate(seq, 9)
+    assert len(seq.block_table) == 3 and bm.num_free == 1
+    _computed(bm, seq)
+    assert len(seq.block_hashes) == 2
+    other = _seq(1, [*range(8), 99])
+    assert bm.lookup(other.token_ids) == seq.block_table[:2]
+    # An exact copy of a cached prompt still computes its last token.
+    assert bm.lookup(list(range(8))) == seq.block_table[:1]
+    bm.free(seq)
+    assert bm.num_free == 4 and len(bm.evictable) == 2
+    assert bm.allocate(other, 9, bm.lookup(other.token_ids))
+    assert other.num_computed_tokens == 8 and bm.ref_count[other.block_table[0]] == 1
+    assert bm.hit_tokens == 8
+
+
+def test_allocate_refuses_without_side_effects():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    held = _seq(0, list(range(12)))
+    assert bm.allocate(held, 12)
+    state = _state(bm)
+    newcomer = _seq(1, list(range(100, 108)))
+    assert not bm.allocate(newcomer, 8)  # two blocks, one free
+    assert newcomer.block_table == [] and _state(bm) == state  # not even counted as queried
+    assert not bm.allocate(held, 20)  # growing past the pool
+    assert len(held.block_table) == 3 and _state(bm) == state
+    assert bm.allocate(held, 16) and bm.num_free == 0
+
+
+def test_allocate_counts_cached_hits_nobody_holds_as_free():
+    """Taking a hit that nobody holds uses up a free block as surely as a fresh one does."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    first = _seq(0, list(range(9)))
+    assert bm.allocate(first, 9)
+    _computed(bm, first)
+    bm.free(first)  # its two full blocks stay cached, held by nobody
+    assert bm.allocate(_seq(1, [50]), 1)
+    other = _seq(2, [*range(8), 60, 61, 62, 63, 64])
+    hits = bm.lookup(other.token_ids)
+    assert len(hits) == 2 and bm.num_free == 3
+    # Two fresh blocks and the two hits: four, with three free (the hits among them).
+    assert bm.blocks_to_allocate(other, 16, hits) == 4
+    state = _state(bm)
+    assert not bm.allocate(other, 16, hits)
+    assert other.block_table == [] and _state(bm) == state
+    assert bm.allocate(other, 12, hits)
+    assert other.block_table[:2] == hits and other.num_computed_tokens == 8
+    assert bm.hit_tokens == 8 and bm.num_free == 0
+
+
+def test_allocate_after_freeing_counts_only_blocks_really_returned():
+    """As preemption does: refused, free someone, ask again. A block another sequence still
+    holds does not come back."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    first, copy = _seq(0, list(range(9))), _seq(1, list(range(9)))
+    assert bm.allocate(first, 9)
+    _computed(bm, first)
+    assert bm.allocate(copy, 9, bm.lookup(copy.token_ids))  # shares first's two full blocks
+    assert bm.num_free == 2
+    big = _seq(2, list(range(100, 116)))
+    assert not bm.allocate(big, 16)
+    bm.free(copy)  # only its own last block comes back
+    assert bm.num_free == 3 and not bm.allocate(big, 16)
+    bm.free(first)
+    assert bm.allocate(big, 16)
+    check_blocks(bm, [first, copy, big])
+
+
+prefixes = [list(range(k * 50, k * 50 + 24)) for k in range(2)]
+prompts = st.tuples(st.integers(0, 1), st.integers(0, 24), st.integers(0, 3)).map(
+    lambda t: prefixes[t[0]][: t[1]] + [200 + t[2]])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(prompts, min_size=4, max_size=4),
+       st.lists(st.tuples(st.sampled_from(["allocate", "free"]), st.integers(0, 3),
+                          st.integers(1, 12)), max_size=60),
+       st.integers(2, 16), st.booleans())
+def test_allocate_and_free_keep_counts_and_free_lists_consistent(prompts, ops, num_blocks,
+                                                                 prefix_cache):
+    """allocate succeeds exactly when every block seq would then hold fits the pool beside
+    the others' (its hits counted once), and otherwise changes nothing."""
+    bm = BlockManager(num_blocks, block_size=4, prefix_cache=prefix_cache)
+    seqs = [_seq(i, p) for i, p in enumerate(prompts)]
+    for op, which, n in ops:
+        seq = seqs[which]
+        if op == "allocate":
+            hits = [] if seq.block_table else bm.lookup(seq.token_ids)
+            start = list(seq.block_table or hits)
+            num_tokens = len(start) * bm.block_size + n
+            in_use = {b for s in seqs for b in s.block_table} | set(hits)
+            fits = len(in_use) + bm.blocks_for(num_tokens) - len(start) <= num_blocks
+            before = _state(bm), list(seq.block_table)
+            assert bm.allocate(seq, num_tokens, hits) == fits
+            if fits:
+                assert seq.block_table[: len(start)] == start
+                assert len(seq.block_table) == bm.blocks_for(num_tokens)
+                _computed(bm, seq)
+            else:
+                assert (_state(bm), seq.block_table) == before
+        else:
+            bm.free(seq)
+        check_blocks(bm, seqs)
+    for seq in seqs:
+        bm.free(seq)
+    assert bm.num_free == num_blocks
