@@ -1,5 +1,5 @@
-"""Which runtime dirs `surge admin` and the stale sweep act on (surge/runtime.py). Runs as root:
-other users are uid 65534."""
+"""Which runtime dirs `surge admin` and the stale sweep act on (surge/runtime.py), and a scheduler
+that survives malformed messages on its channels. Runs as root: other users are uid 65534."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import setproctitle
+import zmq
 
 from surge.process import title
+from surge.protocol import AdminReply, AdminRequest, encode
 from surge.runtime import Untrusted, find_server, recorded, supervisor_pid, sweep_stale
 
 OTHER = 65534  # nobody
@@ -240,3 +243,34 @@ def test_sweep_never_raises_on_what_it_cannot_remove(monkeypatch):
     finally:
         shutil.rmtree(base)
         os.unlink(root_segment)
+
+
+@pytest.mark.slow
+def test_malformed_messages_on_internal_channels_are_not_fatal(server):
+    ctx = zmq.Context()
+    try:
+        for frames in ([b"\xc1 not msgpack"], [msgspec.msgpack.encode({"command": 5})],
+                       [encode(AdminRequest("get")), b"a second frame"]):
+            admin = ctx.socket(zmq.REQ)
+            admin.connect(f"ipc://{server.runtime_dir}/admin")
+            admin.send_multipart(frames)
+            assert admin.poll(10_000), "the scheduler did not answer"
+            reply = msgspec.msgpack.decode(admin.recv(), type=AdminReply)
+            assert not reply.ok and reply.message.startswith("malformed admin request"), reply
+            admin.close(linger=0)
+        requests = ctx.socket(zmq.PUSH)
+        requests.connect(f"ipc://{server.runtime_dir}/requests")
+        for raw in (b"\xc1", msgspec.msgpack.encode({"type": "EngineRequest"})):
+            requests.send(raw)
+        requests.close(linger=1000)
+    finally:
+        ctx.destroy(linger=0)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.load(r)["choices"][0]["text"]
+    assert _healthy(server)
+    out = _admin("get", "--runtime-dir", server.runtime_dir)
+    assert out.returncode == 0 and json.loads(out.stdout)["ok"], out.stderr
+    assert "malformed admin request" in server.output()
