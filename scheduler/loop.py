@@ -18,6 +18,7 @@ from surge.config import SurgeConfig
 from surge.process import child_setup
 from surge.protocol import (
     AbortRequest,
+    AdminReply,
     AdminRequest,
     EngineOutputs,
     EngineReady,
@@ -134,7 +135,11 @@ class SchedulerLoop:
                 raw = self.requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            msg = self.frontend_decoder.decode(raw)
+            try:
+                msg = self.frontend_decoder.decode(raw)
+            except msgspec.DecodeError as e:
+                log.error("skipped a malformed message from the frontend: %s", e)
+                continue
             if isinstance(msg, EngineRequest):
                 replies.append(self.scheduler.add(msg) or RequestOutput(msg.request_id, []))
             elif isinstance(msg, AbortRequest):
@@ -190,7 +195,14 @@ class SchedulerLoop:
     def _answer_admin(self) -> None:
         """Between two steps, so a change applies atomically to the next step on."""
         assert self.scheduler is not None
-        request = msgspec.msgpack.decode(self.admin.recv(), type=AdminRequest)
+        # Every frame: a REP socket can answer only once the whole request is read.
+        raw = b"".join(self.admin.recv_multipart())
+        try:
+            request = msgspec.msgpack.decode(raw, type=AdminRequest)
+        except msgspec.DecodeError as e:
+            log.warning("malformed admin request: %s", e)
+            self.admin.send(encode(AdminReply(False, f"malformed admin request: {e}")))
+            return
         reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler))
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)

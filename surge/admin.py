@@ -17,7 +17,7 @@ import zmq
 from surge.config import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
-from surge.runtime import find_server
+from surge.runtime import find_server, recorded, supervisor_pid
 
 _TIMEOUT_MS = 10_000
 
@@ -49,12 +49,10 @@ def _pairs(values: list[str]) -> dict[str, str]:
 
 def _persist(runtime_dir: str, values: dict[str, object]) -> str:
     """Write values into the server's config file (their own section, or [tenants.NAME])."""
-    try:
-        with open(os.path.join(runtime_dir, "config")) as f:
-            path = f.read()
-    except FileNotFoundError:
+    path = recorded(runtime_dir, "config")
+    if path is None:
         raise ValueError("the server has no config file to persist to (start it with "
-                         "--config FILE)") from None
+                         "--config FILE)")
     with open(path, "rb") as f:
         data = tomllib.load(f)
     for key, value in values.items():
@@ -124,8 +122,8 @@ def _summary(runtime_dir: str) -> str:
         return second.message
     a, b = first.values, second.values
     dt = max(b["time"] - a["time"], 1e-6)
-    with open(os.path.join(runtime_dir, "url")) as f:
-        url = f.read()
+    url = recorded(runtime_dir, "url")
+    assert url is not None  # written before the scheduler starts, so before it answers
     hist = _histograms(url)
 
     def pcts(name: str) -> str:
@@ -152,14 +150,12 @@ def _keys_file(args: argparse.Namespace) -> str:
     """--keys-file, else the one the running server was started with."""
     if args.keys_file:
         return args.keys_file
-    runtime_dir = args.runtime_dir or find_server(args.port)
-    try:
-        with open(os.path.join(runtime_dir, "api_keys_file")) as f:
-            return f.read()
-    except FileNotFoundError:
+    path = recorded(find_server(args.port, args.runtime_dir), "api_keys_file")
+    if path is None:
         raise LookupError("the server has no API keys file: start it with --api-keys-file FILE "
                           "(or api_keys_file in [server]), or name one here with --keys-file "
-                          "FILE") from None
+                          "FILE")
+    return path
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -208,14 +204,17 @@ def run_admin(args: argparse.Namespace) -> int:
     if args.action == "keys":
         return run_keys(args)
     try:
-        runtime_dir = args.runtime_dir or find_server(args.port)
+        runtime_dir = find_server(args.port, args.runtime_dir)
         values = _pairs(args.values)
     except (LookupError, ValueError) as e:
         print(f"surge admin: {e}", file=sys.stderr)
         return 2
     if args.action in ("reload", "drain"):
-        with open(os.path.join(runtime_dir, "pid")) as f:
-            pid = int(f.read())
+        try:
+            pid = supervisor_pid(runtime_dir)  # checked again: it may have exited since
+        except LookupError as e:
+            print(f"surge admin: {e}", file=sys.stderr)
+            return 2
         os.kill(pid, signal.SIGHUP if args.action == "reload" else signal.SIGTERM)
         print(f"{args.action}: signalled surge (pid {pid})")
         return 0
@@ -231,7 +230,7 @@ def run_admin(args: argparse.Namespace) -> int:
     if reply.ok and args.persist and args.action == "set":
         try:
             print(f"written to {_persist(runtime_dir, {k: reply.values[k] for k in values})}")
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, LookupError) as e:
             print(f"surge admin: {e}", file=sys.stderr)
             return 1
     return 0 if reply.ok else 1

@@ -18,12 +18,17 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+def title(name: str) -> str:
+    """What ps shows for a surge process (`surge admin` checks the supervisor's)."""
+    return f"surge: {name}"
+
+
 def child_setup(name: str, cfg: SurgeConfig, *, raise_on_sigterm: bool = True,
                 own_group: bool = True) -> None:
     """Call at the top of each child's entry point. SIGINT is the supervisor's to handle."""
     import setproctitle
 
-    setproctitle.setproctitle(f"surge: {name}")
+    setproctitle.setproctitle(title(name))
     if own_group:
         # An operator (or a test) can signal this process's group alone; a terminal's Ctrl-C
         # reaches only the supervisor, which stops everyone in order.

@@ -1,21 +1,40 @@
-"""The private runtime directory and the addresses of every channel between processes."""
+"""The private runtime directory and the addresses of every channel between processes.
+
+`surge admin` signals the pid recorded there and writes to the paths recorded there, so a
+directory is trusted only if it could not have been planted by another user: see supervisor_pid.
+"""
 
 from __future__ import annotations
 
-import glob
+import logging
 import os
+import re
+import secrets
 import shutil
+import stat
 import tempfile
 
 from msgspec import Struct
 
 from shm.ring import SHM_DIR
+from surge.process import title
 
+log = logging.getLogger("surge.runtime")
 _PREFIX = "surge-"
+_ID = re.compile(r"[0-9a-f]{16}")
+
+
+class Untrusted(LookupError):
+    """A runtime dir (or a file in it) that surge must not act on, and why."""
 
 
 def _base() -> str:
     return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+def _record(runtime_dir: str, name: str, text: str) -> None:
+    with open(os.path.join(runtime_dir, name), "w") as f:
+        f.write(text)
 
 
 class Channels(Struct, frozen=True):
@@ -30,77 +49,179 @@ class Channels(Struct, frozen=True):
     def create(cls) -> Channels:
         sweep_stale()
         runtime_dir = tempfile.mkdtemp(prefix=_PREFIX, dir=_base())  # mode 0700
-        with open(os.path.join(runtime_dir, "pid"), "w") as f:
-            f.write(str(os.getpid()))
-        tag = os.path.basename(runtime_dir)
+        _record(runtime_dir, "pid", str(os.getpid()))
+        # Segment names come from this id, which only the owner can read, never from a
+        # directory name that anyone can choose: the sweep can then remove them literally.
+        run_id = secrets.token_hex(8)
+        _record(runtime_dir, "id", run_id)
         return cls(
             runtime_dir=runtime_dir,
             requests=f"ipc://{runtime_dir}/requests",
             outputs=f"ipc://{runtime_dir}/outputs",
             results=f"ipc://{runtime_dir}/results",
-            plan_ring=f"{tag}-plan",
+            plan_ring=f"{_PREFIX}{run_id}-plan",
             admin=f"ipc://{runtime_dir}/admin",
         )
 
     def describe(self, host: str, port: int, config: str | None,
                  api_keys_file: str | None = None) -> None:
-        with open(os.path.join(self.runtime_dir, "port"), "w") as f:
-            f.write(str(port))
-        with open(os.path.join(self.runtime_dir, "url"), "w") as f:
-            f.write(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
+        _record(self.runtime_dir, "port", str(port))
+        _record(self.runtime_dir, "url",
+                f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
         if config:
-            with open(os.path.join(self.runtime_dir, "config"), "w") as f:
-                f.write(os.path.abspath(config))
+            _record(self.runtime_dir, "config", os.path.abspath(config))
         if api_keys_file:
-            with open(os.path.join(self.runtime_dir, "api_keys_file"), "w") as f:
-                f.write(os.path.abspath(api_keys_file))
+            _record(self.runtime_dir, "api_keys_file", os.path.abspath(api_keys_file))
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
-def find_server(port: int | None) -> str:
-    """The runtime dir of the running surge on `port` (or the only one running)."""
-    found = []
-    for runtime_dir in glob.glob(os.path.join(_base(), f"{_PREFIX}*")):
+def _owner(runtime_dir: str) -> int:
+    """The uid owning runtime_dir, if it is a real directory of the caller or root that only
+    its owner can enter (so nobody else can have put anything in it)."""
+    try:
+        st = os.lstat(runtime_dir)
+    except OSError as e:
+        raise Untrusted(f"not trusting {runtime_dir}: {e.strerror}") from None
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        reason = "it is a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        reason = "it is not a directory"
+    elif st.st_uid not in (me, 0):
+        reason = f"it belongs to uid {st.st_uid}, not to you (uid {me}) or root"
+    elif st.st_mode & 0o077:
+        reason = f"its mode is {st.st_mode & 0o777:o}, not 700"
+    else:
+        return st.st_uid
+    raise Untrusted(f"not trusting {runtime_dir}: {reason}")
+
+
+def recorded(runtime_dir: str, name: str) -> str | None:
+    """What the server recorded as `name` in its runtime dir (None if nothing), read only from
+    a regular file of the directory's owner."""
+    owner = _owner(runtime_dir)
+    path = os.path.join(runtime_dir, name)
+    try:
+        # O_NONBLOCK: a FIFO would block the open; it is refused below instead.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink
+        raise Untrusted(f"not trusting {path}: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
+            raise Untrusted(f"not trusting {path}: not a regular file of uid {owner}")
+        return f.read()
+
+
+def _pid(runtime_dir: str) -> int:
+    text = recorded(runtime_dir, "pid")
+    if text is None or not text.isdigit():
+        raise Untrusted(f"not trusting {runtime_dir}: it records no pid")
+    return int(text)
+
+
+def _process(pid: int) -> tuple[int, str] | None:
+    """(real uid, title) of a running process, None if there is no such process (Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            name = f.read().split(b"\0")[0].decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return uid, name
+
+
+def supervisor_pid(runtime_dir: str) -> int:
+    """The pid of the live surge supervisor whose runtime dir this is; Untrusted says why not
+    (the dir may be someone else's, stale, or its pid reused by another process)."""
+    owner = _owner(runtime_dir)
+    pid = _pid(runtime_dir)
+    try:
+        found = _process(pid)
+    except OSError as e:  # /proc mounted with hidepid, say
+        raise Untrusted(f"not trusting {runtime_dir}: cannot read /proc/{pid}: {e.strerror}"
+                        ) from None
+    if found is None:
+        reason = f"its pid {pid} is not running"
+    elif found[0] != owner:
+        reason = f"its pid {pid} runs as uid {found[0]}, not as the directory's owner ({owner})"
+    elif found[1] != title("supervisor"):
+        reason = f"its pid {pid} is {found[1]!r}, not a surge supervisor"
+    else:
+        return pid
+    raise Untrusted(f"not trusting {runtime_dir}: {reason}")
+
+
+def _candidates() -> list[str]:
+    try:
+        # A plain file named surge-* (a test's log, say) is no candidate; a symlink may be a
+        # planted one, which the checks then refuse by name.
+        return sorted(e.path for e in os.scandir(_base()) if e.name.startswith(_PREFIX) and
+                      (e.is_symlink() or e.is_dir(follow_symlinks=False)))
+    except OSError:
+        return []
+
+
+def find_server(port: int | None, runtime_dir: str | None = None) -> str:
+    """runtime_dir if given, else the runtime dir of the running surge on `port` (or of the
+    only one running); either way only one that passes supervisor_pid."""
+    if runtime_dir:
+        supervisor_pid(runtime_dir)
+        return runtime_dir
+    found, refused = [], []
+    for candidate in _candidates():
         try:
-            with open(os.path.join(runtime_dir, "pid")) as f:
-                pid = int(f.read())
-            with open(os.path.join(runtime_dir, "port")) as f:
-                server_port = int(f.read())
-        except (OSError, ValueError):
+            supervisor_pid(candidate)
+            server_port = recorded(candidate, "port")
+        except Untrusted as e:
+            refused.append(str(e))
             continue
-        if _alive(pid) and (port is None or port == server_port):
-            found.append(runtime_dir)
+        if port is None or str(port) == server_port:
+            found.append(candidate)
     if len(found) != 1:
         where = f"on port {port}" if port else "at all"
-        raise LookupError(f"{len(found)} running surge servers {where} under {_base()}; "
+        why = ""
+        if refused and not found:
+            more = f"; {len(refused) - 1} more refused" if len(refused) > 1 else ""
+            why = f" ({refused[0]}{more})"
+        raise LookupError(f"{len(found)} running surge servers {where} under {_base()}{why}; "
                           f"name one with --port or --runtime-dir")
     return found[0]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _unlink_segments(run_id: str) -> None:
+    prefix = f"{_PREFIX}{run_id}-"
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                log.warning("sweep: leaving %s alone: it is not ours", path)
+                continue
+            os.unlink(path)
+        except OSError as e:
+            log.warning("sweep: could not remove %s: %s", path, e.strerror)
 
 
 def sweep_stale() -> None:
-    """Remove what a surge killed with SIGKILL left behind: runtime dirs whose owner is dead, and
-    their shared-memory segments."""
-    for runtime_dir in glob.glob(os.path.join(_base(), f"{_PREFIX}*")):
+    """Remove what a surge killed with SIGKILL left behind: runtime dirs of this user whose
+    supervisor has exited, and their shared-memory segments. Anything that fails the checks or
+    cannot be removed is left with a warning; this never raises."""
+    for runtime_dir in _candidates():
         try:
-            with open(os.path.join(runtime_dir, "pid")) as f:
-                pid = int(f.read())
-        except (OSError, ValueError):
-            continue
-        if _alive(pid):
-            continue
-        tag = os.path.basename(runtime_dir)
-        for segment in glob.glob(os.path.join(SHM_DIR, f"{tag}-*")):
-            os.unlink(segment)
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+            if _process(_pid(runtime_dir)) is not None:
+                continue  # alive, or its pid reused: not known to be stale
+            run_id = recorded(runtime_dir, "id") or ""
+            if _ID.fullmatch(run_id):
+                _unlink_segments(run_id)
+            shutil.rmtree(runtime_dir)
+        except Untrusted as e:
+            log.warning("sweep: %s", e)
+        except OSError as e:
+            log.warning("sweep: leaving %s: %s", runtime_dir, e)

@@ -14,12 +14,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
+import setproctitle
 import zmq
 
 from gpu_workers.worker import run_worker
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig, flatten
 from surge.log import setup_logging
+from surge.process import title
 from surge.protocol import WorkerFailed, encode
 from surge.runtime import Channels
 from surge.systemd_notify import notify, watchdog_interval
@@ -208,6 +210,8 @@ class Supervisor:
 
 
 def serve(cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> int:
+    # Before the runtime dir records this pid: `surge admin` trusts it by this title.
+    setproctitle.setproctitle(title("supervisor"))
     setup_logging(cfg.server.log_level, cfg.server.log_json, "supervisor")
     sup = Supervisor(cfg, flags)
 

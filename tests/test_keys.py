@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import string
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from surge.cli import main
 from surge.keys import KeyStore
+from surge.process import title
 from surge.runtime import Channels
 
 
@@ -157,14 +160,26 @@ def test_cli(tmp_path, capsys, monkeypatch):
 
 def test_cli_uses_the_servers_keys_file(tmp_path, capsys):
     runtime_dir = tmp_path / "surge-x"
-    runtime_dir.mkdir()
-    # A server started without --api-keys-file has none to manage.
-    assert main(["admin", "keys", "list", "--runtime-dir", str(runtime_dir)]) == 2
-    assert "--api-keys-file" in capsys.readouterr().err
-    path = tmp_path / "server-keys.json"
-    (runtime_dir / "api_keys_file").write_text(str(path))
-    assert main(["admin", "keys", "add", "alice", "--runtime-dir", str(runtime_dir)]) == 0
-    assert str(path) in capsys.readouterr().out and len(KeyStore(str(path)).entries()) == 1
+    runtime_dir.mkdir(mode=0o700)
+    # A process of ours titled as a supervisor, which `surge admin` checks before trusting the
+    # dir (tests/test_runtime.py does the same with a real server).
+    stand_in = subprocess.Popen(
+        [sys.executable, "-c", "import setproctitle, sys, time; "
+         "setproctitle.setproctitle(sys.argv[1]); print(flush=True); time.sleep(120)",
+         title("supervisor")], stdout=subprocess.PIPE)
+    try:
+        stand_in.stdout.readline()  # its title is set
+        (runtime_dir / "pid").write_text(str(stand_in.pid))
+        # A server started without --api-keys-file has none to manage.
+        assert main(["admin", "keys", "list", "--runtime-dir", str(runtime_dir)]) == 2
+        assert "--api-keys-file" in capsys.readouterr().err
+        path = tmp_path / "server-keys.json"
+        (runtime_dir / "api_keys_file").write_text(str(path))
+        assert main(["admin", "keys", "add", "alice", "--runtime-dir", str(runtime_dir)]) == 0
+        assert str(path) in capsys.readouterr().out and len(KeyStore(str(path)).entries()) == 1
+    finally:
+        stand_in.kill()
+        stand_in.wait()
 
 
 _IMPORTED = st.text(string.ascii_letters + string.digits + "-_.~", min_size=16, max_size=24)

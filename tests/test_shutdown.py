@@ -90,12 +90,14 @@ def test_killed_supervisor_leaves_no_orphans_and_is_swept(tmp_path):
     server.proc.kill()
     server.proc.wait()
     assert _gone(children, 15), "children outlived a SIGKILLed supervisor"
-    # Its runtime dir and segment are left; the next start sweeps them.
+    # Its runtime dir and segment (named by the id recorded there) are left; the next start
+    # sweeps them.
     (stale,) = os.listdir(tmp_path)
-    assert glob.glob(f"/dev/shm/{stale}-*")
+    segments = f"/dev/shm/surge-{(tmp_path / stale / 'id').read_text()}-*"
+    assert glob.glob(segments)
     again = ServerProcess(env=env).wait_ready()
     assert stale not in os.listdir(tmp_path)
-    assert not glob.glob(f"/dev/shm/{stale}-*")
+    assert not glob.glob(segments)
     assert again.stop() == 0
 
 
