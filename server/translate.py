@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
 # Prompts longer than this many characters are tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 
 class RequestTranslator:
@@ -39,11 +41,16 @@ class RequestTranslator:
         try:
             return msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as e:
-            param = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else None
-            raise ApiError(400, f"invalid request: {e}",
-                           param=param.split("[")[0].split(".")[0] if param else None) from None
+            path = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else ""
+            unknown = _UNKNOWN_FIELD.search(str(e))
+            param = path.split("[")[0].split(".")[0] or (unknown and unknown.group(1))
+            hint = "; surge does not implement this field, so it is refused rather than " \
+                   "ignored (the README's API section lists what is)" if unknown else ""
+            raise ApiError(400, f"invalid request: {e}{hint}", param=param or None) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:  # msgspec's limit on nesting, e.g. in a field it skips
+            raise ApiError(400, "request body is nested too deeply") from None
 
     async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
         """A request body's prompts (token ids), max_tokens and logprobs count."""
@@ -158,7 +165,9 @@ class RequestTranslator:
             stops += self.tokenizer.eos_token_ids
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= self.tokenizer.vocab_size:
+            # The length first: int() of thousands of digits is slow, and refused past 4300.
+            if not (key.isascii() and key.isdigit() and len(key) <= 12) \
+                    or int(key) >= self.tokenizer.vocab_size:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model",
                                param="logit_bias")
             bias[int(key)] = value

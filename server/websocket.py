@@ -69,7 +69,9 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         try:
             body = frontend.translator.decode_body(raw, kind)
-            if getattr(body, "echo", False) or body.logprobs not in (None, False):
+            # `is`, not `in`: a completion's logprobs 0 equals False, and must be refused too.
+            if getattr(body, "echo", False) or body.logprobs is not None and \
+                    body.logprobs is not False:
                 raise ApiError(400, "echo and logprobs are not available on the WebSocket; "
                                     "use the HTTP endpoint", param="logprobs")
             prompts, max_tokens, logprobs = await frontend.translator.prepare(body)

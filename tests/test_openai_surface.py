@@ -246,6 +246,15 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi " * 2500}, "prompt"),
     ({"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias"),
     ({"prompt": "hi", "priority": 10**23}, "priority"),
+    # Fields surge does not implement are refused by name, never ignored.
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    # Per-request lists are bounded; numbers out of range are the client's fault.
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ({"prompt": "hi", "stop_token_ids": [1] * 257}, "stop_token_ids"),
+    ({"prompt": "hi", "timeout": 1e-300}, "timeout"),
 ])
 def test_bad_parameters(server, body, param):
     code, payload = _post(server, "/v1/completions", body)
@@ -253,10 +262,22 @@ def test_bad_parameters(server, body, param):
     assert payload["error"]["param"] == param, payload
 
 
+@pytest.mark.parametrize("field", ["stop", "not_a_field"])
+def test_deeply_nested_json_is_a_400(server, field):
+    depth = 100_000
+    body = b'{"prompt": "hi", "' + field.encode() + b'": ' + b"[" * depth + b"]" * depth + b"}"
+    code, payload = _post(server, "/v1/completions", body)
+    assert code == 400, payload
+    assert payload["error"]["message"]
+
+
 def test_chat_bad_parameters(server):
     code, payload = _post(server, "/v1/chat/completions",
                           {"messages": CHAT[0], "top_logprobs": 2})
     assert code == 400 and payload["error"]["param"] == "top_logprobs"
+    code, payload = _post(server, "/v1/chat/completions",
+                          {"messages": [{**CHAT[0][0], "tool_calls": []}]})
+    assert code == 400 and "tool_calls" in payload["error"]["message"], payload
     code, payload = _post(server, "/v1/chat/completions",
                           {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
     assert code == 400
@@ -331,10 +352,12 @@ def test_websocket_instant_cancel_and_refused_fields(server):
             await ws.send_json({"type": "cancel", "id": "x"})
             await ws.send_json({"type": "request", "id": "e", "endpoint": "completions",
                                 "body": {"prompt": "hi", "echo": True}})
+            await ws.send_json({"type": "request", "id": "l", "endpoint": "completions",
+                                "body": {"prompt": "hi", "logprobs": 0}})
             async for msg in ws:
                 m = json.loads(msg.data)
                 got.append(m)
-                if len([g for g in got if g["type"] in ("done", "error")]) == 2:
+                if len([g for g in got if g["type"] in ("done", "error")]) == 3:
                     break
             # The id is free again: a new request with it runs to the end.
             await ws.send_json({"type": "request", "id": "x", "endpoint": "completions",
@@ -350,4 +373,5 @@ def test_websocket_instant_cancel_and_refused_fields(server):
     ends = [(m["id"], m["type"], m.get("finish_reason")) for m in got
             if m["type"] in ("done", "error")]
     assert ("x", "done", "cancelled") in ends and ("e", "error", None) in ends
+    assert ("l", "error", None) in ends  # logprobs 0 is refused like its HTTP twin
     assert ends[-1] == ("x", "done", "length")
