@@ -21,7 +21,7 @@ from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.translate import Body, RequestTranslator, stop_strings
-from server.websocket import stream_socket
+from server.websocket import OpenSockets, stream_socket
 from surge import metrics
 from surge.config import ServerConfig
 from surge.keys import KeyStore
@@ -44,6 +44,7 @@ class Frontend:
         self.created = int(time.time())
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
+        self.sockets = OpenSockets()
 
     # ---- endpoints ----
 
@@ -251,6 +252,8 @@ def _work_middleware(frontend: Frontend) -> Any:
             return await handler(request)
         if frontend.draining:
             raise ApiError(503, "surge is shutting down; send this request to another server")
+        if request.path == "/v1/stream":  # its requests count one by one (see websocket.py)
+            return await handler(request)
         frontend.in_flight += 1
         try:
             return await handler(request)

@@ -59,6 +59,7 @@ async def _drain(frontend: Frontend, timeout_s: float) -> None:
     """Stop taking work (/health says so), let what is in flight finish, then end the rest
     with an error they can read."""
     frontend.draining = True
+    await frontend.sockets.close_idle()
     log.info("draining %d requests (up to %.0fs)", frontend.in_flight, timeout_s)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while frontend.in_flight and asyncio.get_running_loop().time() < deadline:

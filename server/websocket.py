@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 import msgspec
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from server.errors import ApiError, error_body
 from server.generate import Piece
@@ -31,10 +31,29 @@ _KINDS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRe
 _HEARTBEAT_S = 20.0
 
 
+class OpenSockets:
+    """Every open socket and its running requests, so that a drain closes the idle ones at once
+    instead of waiting out its timeout for clients that may never send again."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[web.WebSocketResponse, dict[str, asyncio.Task]] = {}
+
+    async def close_idle(self) -> None:
+        await asyncio.gather(*(_going_away(ws) for ws, jobs in list(self.jobs.items())
+                               if not jobs))
+
+
+async def _going_away(ws: web.WebSocketResponse) -> None:
+    await ws.close(code=WSCloseCode.GOING_AWAY, message=b"surge is shutting down")
+
+
 class Service(Protocol):
     """What the socket needs of the frontend (server.app.Frontend is one)."""
 
     translator: RequestTranslator
+    sockets: OpenSockets
+    draining: bool
+    in_flight: int  # what a drain waits for: each request on a socket counts, not the socket
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, logprobs: int | None, tenant: str
@@ -53,6 +72,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                                max_msg_size=request.app["max_body_bytes"])
     await ws.prepare(request)
     jobs: dict[str, asyncio.Task] = {}
+    frontend.sockets.jobs[ws] = jobs
     send_lock = asyncio.Lock()
 
     async def send(payload: dict) -> None:
@@ -67,7 +87,11 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                     "error": error_body(status, message, param)["error"]})
 
     async def serve(rid: str, kind: type, raw: bytes) -> None:
+        frontend.in_flight += 1
         try:
+            if frontend.draining:
+                raise ApiError(503, "surge is shutting down; send this request to another "
+                                    "server")
             body = frontend.translator.decode_body(raw, kind)
             # `is`, not `in`: a completion's logprobs 0 equals False, and must be refused too.
             if getattr(body, "echo", False) or body.logprobs is not None and \
@@ -99,6 +123,8 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         except Exception:
             log.exception("websocket request %s failed", rid)
             await error(rid, 500, "internal error; see the server log")
+        finally:
+            frontend.in_flight -= 1
 
     def cancelled(rid: str) -> dict:
         return {"type": "done", "id": rid, "finish_reason": "cancelled", "usage": None}
@@ -107,6 +133,8 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         jobs.pop(rid, None)
         if job.cancelled():  # cancelled before it ever ran: its own handler never said so
             asyncio.ensure_future(send(cancelled(rid)))
+        if frontend.draining and not jobs:  # its last request is answered: nothing keeps it
+            asyncio.ensure_future(_going_away(ws))
 
     try:
         async for msg in ws:
@@ -121,6 +149,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                 continue
             await _dispatch(m, jobs, serve, error, forget)
     finally:
+        del frontend.sockets.jobs[ws]
         for job in list(jobs.values()):  # a closed socket aborts every request on it
             job.cancel()
         await asyncio.gather(*jobs.values(), return_exceptions=True)

@@ -263,3 +263,47 @@ def test_scheduler_killed_answers_every_request_at_once(tmp_path):
     assert took < 10, took  # not the 30 s drain: nothing could have finished
     assert server.proc.wait(30) == 1
     assert _gone(children)
+
+
+def test_sigterm_closes_idle_websockets_and_refuses_new_socket_requests(tmp_path):
+    """An idle socket is closed at once (1001 going away); a busy one takes no new request,
+    finishes the one it runs, and is closed after it: the drain does not wait out its 60 s."""
+    import asyncio
+
+    import aiohttp
+
+    server = ServerProcess("--drain-timeout-s", "60",
+                           env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True}
+
+    async def main() -> tuple[int | None, float, list[dict], int | None]:
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(f"{server.url}/v1/stream") as idle, \
+                session.ws_connect(f"{server.url}/v1/stream") as busy:
+            await busy.send_json({"type": "request", "id": "long", "endpoint": "completions",
+                                  "body": body})
+            assert (await busy.receive_json(timeout=60))["type"] == "delta"
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            closing = await idle.receive(timeout=10)
+            assert closing.type == aiohttp.WSMsgType.CLOSE, closing
+            idle_closed_s = time.monotonic() - signalled
+            # The idle socket closes after the frontend turned to draining: this comes later.
+            await busy.send_json({"type": "request", "id": "late", "endpoint": "completions",
+                                  "body": {"prompt": "hi", "max_tokens": 2}})
+            seen = []
+            while (msg := await busy.receive(timeout=60)).type == aiohttp.WSMsgType.TEXT:
+                seen.append(json.loads(msg.data))
+            return idle.close_code, idle_closed_s, seen, busy.close_code
+
+    idle_code, idle_closed_s, seen, busy_code = asyncio.run(main())
+    assert idle_code == 1001 and idle_closed_s < 5, (idle_code, idle_closed_s)
+    late = [m for m in seen if m["id"] == "late"]
+    assert [m["type"] for m in late] == ["error"], late
+    assert "shutting down" in late[0]["error"]["message"]
+    done = [m for m in seen if m["type"] == "done"]
+    assert [(m["id"], m["finish_reason"]) for m in done] == [("long", "length")], seen
+    assert busy_code == 1001
+    started = time.monotonic()
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - started < 30
