@@ -17,12 +17,11 @@ _DEFAULT_RETRY_S = 1.0
 
 
 class Admission:
-    def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
-                 now: float) -> None:
+    def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig]) -> None:
         self.cfg = cfg
         self.tenant_cfgs = tenants
         self.tenants: dict[str, Tenant] = {}
-        self.drained = RateMeter(now)  # requests leaving the queue for the batch
+        self.drained = RateMeter()  # requests leaving the queue for the batch
         self.rejected: Counter[tuple[str, str]] = Counter()  # (tenant, limit) -> count
 
     def limits(self, name: str) -> TenantConfig:

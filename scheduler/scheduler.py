@@ -45,7 +45,7 @@ class Scheduler:
         self.cfg = cfg
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
-        self.admission = Admission(cfg, tenants or {}, clock())
+        self.admission = Admission(cfg, tenants or {})
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}

@@ -42,21 +42,24 @@ class TokenBucket:
 
 
 class RateMeter:
-    """Events per second over the last window_s seconds."""
+    """Events per second, counted from the first event of the last window_s seconds: over the
+    whole window, a meter idle for most of it would read a trickle while it is in fact serving
+    quickly (a Retry-After of 30 s for a queue that drains in one)."""
 
-    def __init__(self, now: float, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
-        self.started = now
         self.events: deque[float] = deque()
 
     def add(self, now: float) -> None:
         self.events.append(now)
 
     def rate(self, now: float) -> float:
+        """0 when less than a second of service is known: too little to measure, and the
+        callers' default (a short Retry-After) fits a meter that has only just started."""
         while self.events and self.events[0] < now - self.window_s:
             self.events.popleft()
-        span = min(self.window_s, now - self.started)
-        return len(self.events) / span if span > 0 else 0.0
+        span = now - self.events[0] if self.events else 0.0
+        return len(self.events) / span if span >= 1.0 else 0.0
 
 
 class Tenant:
@@ -71,7 +74,7 @@ class Tenant:
         # whose virtual time is lowest.
         self.vtime = 0.0
         self.served_tokens = 0
-        self.finished = RateMeter(now)
+        self.finished = RateMeter()
 
     def configure(self, cfg: TenantConfig, now: float) -> None:
         self.cfg = cfg

@@ -276,6 +276,23 @@ def test_global_queue_bounds_answer_at_once_with_a_measured_retry_after():
     assert refusal is not None and refusal.status == 400
 
 
+def test_retry_after_an_idle_spell_comes_from_recent_service():
+    """A queue that fills right after a long idle spell is measured by what it drains now, not
+    over a window spent mostly idle (that read a trickle: Retry-After up to 30 s)."""
+    sim = Sim(_cfg(max_num_seqs=2, max_queued_requests=10))
+    assert sim.submit(max_tokens=20)[1] is None
+    sim.run(5)
+    sim.now += 25.0  # idle, still inside the meter's 30 s window
+    refusals = []
+    for _ in range(100):  # 10x more arrivals than the server drains, for about 2 s
+        for _ in range(2):
+            _, refusal = sim.submit(max_tokens=20)
+            if refusal is not None:
+                refusals.append(refusal.retry_after)
+        sim.step()
+    assert refusals and max(refusals) <= 2, refusals
+
+
 def test_deadlines():
     sim = Sim(_cfg(max_num_seqs=1))
     sim.submit(max_tokens=400)  # 8+ s of work ahead of everyone
