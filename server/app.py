@@ -15,7 +15,7 @@ from aiohttp import web
 
 from server.auth import auth_middleware
 from server.engine_client import EngineClient
-from server.errors import ApiError, error_body, error_middleware
+from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
@@ -36,8 +36,6 @@ class Frontend:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
-        self.model_name = model_name
-        self.max_model_len = max_model_len
         self.translator = RequestTranslator(tokenizer, engine, model_name, max_model_len,
                                             cfg.max_prompt_tokens)
         self.token_text = TokenText(tokenizer.hf)
@@ -96,7 +94,7 @@ class Frontend:
             echo = [self.tokenizer.hf.decode(prompts[i // body.n]) for i in range(n)]
         offsets = [len(e) for e in echo]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
+                "created": int(time.time()), "model": self.translator.model_name}
 
         def choice(piece: Piece) -> dict:
             lp = None
@@ -144,8 +142,8 @@ class Frontend:
 
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "surge", "max_model_len": self.max_model_len}]})
+            "id": self.translator.model_name, "object": "model", "created": self.created,
+            "owned_by": "surge", "max_model_len": self.translator.max_model_len}]})
 
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
@@ -251,7 +249,7 @@ def _work_middleware(frontend: Frontend) -> Any:
         if not request.path.startswith("/v1/") or request.path == "/v1/models":
             return await handler(request)
         if frontend.draining:
-            raise ApiError(503, "surge is shutting down; send this request to another server")
+            raise draining_error()
         if request.path == "/v1/stream":  # its requests count one by one (see websocket.py)
             return await handler(request)
         frontend.in_flight += 1

@@ -34,6 +34,11 @@ def error_body(status: int, message: str, param: str | None = None,
                       "param": param, "code": code}}
 
 
+def draining_error() -> ApiError:
+    """What a new request gets once SIGTERM has started the drain."""
+    return ApiError(503, "surge is shutting down; send this request to another server")
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
     return web.json_response(error_body(status, message, param, code), status=status)

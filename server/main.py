@@ -44,7 +44,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         stop_wait = asyncio.ensure_future(stop.wait())
         await asyncio.wait([ready_wait, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if ready_wait.done():
-            status.put(("frontend", f"serving {frontend.model_name!r} on "
+            status.put(("frontend", f"serving {frontend.translator.model_name!r} on "
                                     f"http://{cfg.server.host}:{cfg.server.port}"))
             await stop_wait
             await _drain(frontend, cfg.server.drain_timeout_s)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from server.errors import ApiError, error_body
+from server.errors import ApiError, draining_error, error_body
 from server.generate import Piece
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import usage
@@ -90,8 +90,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         frontend.in_flight += 1
         try:
             if frontend.draining:
-                raise ApiError(503, "surge is shutting down; send this request to another "
-                                    "server")
+                raise draining_error()
             body = frontend.translator.decode_body(raw, kind)
             # `is`, not `in`: a completion's logprobs 0 equals False, and must be refused too.
             if getattr(body, "echo", False) or body.logprobs is not None and \
