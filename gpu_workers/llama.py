@@ -39,6 +39,8 @@ class AttentionMetadata(Struct, kw_only=True):
     prefill_query_start: torch.Tensor  # [num_prefill + 1], from 0 (offsets into the prefill part)
     prefill_context_lens: torch.Tensor  # [num_prefill]
     prefill_max_query_len: int
+    # --deterministic: every query attends in kernels.fixed_order_attention's fixed tiles.
+    fixed_order: bool = False
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -78,6 +80,9 @@ class Attention(nn.Module):
         kernels.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.fixed_order:
+            out = _fixed_order(q, k_cache, v_cache, meta, self.scale)
+            return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
         nd = meta.num_decode
         parts = []
         if nd:
@@ -88,6 +93,25 @@ class Attention(nn.Module):
                 meta.prefill_context_lens, meta.prefill_max_query_len, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
+
+
+def _fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's attention, decode rows and each prefill chunk, in the fixed-order kernel."""
+    nd = meta.num_decode
+    parts = []
+    if nd:
+        visible = meta.decode_context_lens[:, None]
+        parts.append(kernels.fixed_order_attention(
+            q[:nd, None], k_cache, v_cache, meta.decode_block_tables, visible, scale)[:, 0])
+    bounds = meta.prefill_query_start.tolist()
+    for i, ctx in enumerate(meta.prefill_context_lens.tolist()):
+        n = bounds[i + 1] - bounds[i]
+        visible = torch.arange(ctx - n + 1, ctx + 1, device=q.device)[None]
+        parts.append(kernels.fixed_order_attention(
+            q[nd + bounds[i]: nd + bounds[i + 1]][None], k_cache, v_cache,
+            meta.prefill_block_tables[i: i + 1], visible, scale)[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MLP(nn.Module):
@@ -156,7 +180,7 @@ class LlamaModel(nn.Module):
         # Every layer's decode attention reads the same blocks of its own cache: planned once.
         decode = (kernels.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches[0, 0], meta.decode_shared_blocks)
-                  if meta.num_decode else None)
+                  if meta.num_decode and not meta.fixed_order else None)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, meta, decode, kv_cache)
         x, _ = kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)

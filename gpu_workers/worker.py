@@ -140,10 +140,14 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
     cuda = device.type == "cuda"
+    if cuda and cfg.model.deterministic:
+        # cuBLAS picks its reduction order by the batch's shape; only the CPU path is invariant.
+        raise ValueError("--deterministic runs on the CPU only; drop it or use --device cpu")
     kernels.use_triton(cuda)
     graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
-                         graphs_max_batch=graphs, capture_graphs=cuda, draft=draft)
+                         graphs_max_batch=graphs, capture_graphs=cuda, draft=draft,
+                         fixed_order=cfg.model.deterministic)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     if cuda:
@@ -152,6 +156,7 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
+                   f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import importlib
 
-from kernels.attention import decode_attention, plan_decode, prefill_attention, store_kv
+from kernels.attention import (
+    decode_attention,
+    fixed_order_attention,
+    plan_decode,
+    prefill_attention,
+    store_kv,
+)
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
 
@@ -34,6 +40,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary_",
     "decode_attention",
+    "fixed_order_attention",
     "plan_decode",
     "prefill_attention",
     "rms_norm",
