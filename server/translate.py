@@ -98,6 +98,11 @@ class RequestTranslator:
         return await self._off_loop_if_long(len(text), self.tokenizer.encode, text)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        for i, m in enumerate(body.messages):
+            # Only an assistant turn may come without text (OpenAI: one that called tools).
+            if m.content is None and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}] ({m.role}) needs a content",
+                               param="messages")
         messages = [{"role": m.role if m.role != "developer" else "system",
                      "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content or [])}
