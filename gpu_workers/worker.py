@@ -143,7 +143,10 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     if cuda and cfg.model.deterministic:
         # cuBLAS picks its reduction order by the batch's shape; only the CPU path is invariant.
         raise ValueError("--deterministic runs on the CPU only; drop it or use --device cpu")
-    kernels.use_triton(cuda)
+    ops = kernels.for_device(device, cfg.model.kernel_backend)
+    model.ops = ops
+    if draft is not None:
+        draft.ops = ops
     graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
                          graphs_max_batch=graphs, capture_graphs=cuda, draft=draft,
@@ -151,17 +154,17 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     if cuda:
-        split += (f", Triton kernels, CUDA graphs for decode batches up to {graphs}" if graphs
-                  else ", Triton kernels, no CUDA graphs")
+        split += (f", CUDA graphs for decode batches up to {graphs}" if graphs
+                  else ", no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
-                   f"{torch.get_num_threads()} threads, loaded in "
+                   f"{torch.get_num_threads()} threads, {ops}, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
-                               description=description)
+                               description=description, kernels=str(ops))
 
 
 def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,

@@ -67,6 +67,7 @@ class SchedulerLoop:
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
+        self.kernels = ""  # the workers' kernel backend (WorkerReady.kernels), for admin get
         self.stats = StatsCollector()
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
@@ -113,6 +114,7 @@ class SchedulerLoop:
             assert isinstance(msg, WorkerReady), msg
             readies.append(msg)
         num_blocks = min(r.num_blocks for r in readies)
+        self.kernels = readies[0].kernels
         self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
                                    speculative=self.cfg.speculative)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
@@ -203,7 +205,8 @@ class SchedulerLoop:
             log.warning("malformed admin request: %s", e)
             self.admin.send(encode(AdminReply(False, f"malformed admin request: {e}")))
             return
-        reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler))
+        reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler),
+                                  {"kernel_backend": self.kernels})
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
             self.cfg = new

@@ -58,6 +58,11 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         bool, Meta(description="on the CPU in bfloat16, run linear layers on weights reordered "
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head)")
     ] = True
+    kernel_backend: Annotated[
+        Literal["auto", "reference", "triton"],
+        Meta(description="compute kernels: auto picks triton on CUDA and the PyTorch reference "
+             "elsewhere; reference or triton force one (A/B runs, debugging)"),
+    ] = "auto"
     deterministic: Annotated[
         bool, Meta(description="batch-invariant attention (CPU only): a token's result does "
                    "not depend on what else is in its step, so recovery and batching give "

@@ -153,6 +153,7 @@ class WorkerReady(Struct, tag=True, kw_only=True):
     num_blocks: int
     block_size: int
     description: str
+    kernels: str = ""  # the kernel backend and why (kernels.for_device)
 
 
 class SeqResult(Struct, array_like=True):

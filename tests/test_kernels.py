@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from kernels import (
     add_rms_norm,
     attention,
@@ -161,3 +162,14 @@ def test_add_rms_norm_matches_definition():
     s = x + r
     torch.testing.assert_close(residual, s)
     torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_the_backend_is_a_value_picked_per_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = kernels.for_device(torch.device("cpu"))
+    assert cpu.name == "reference" and cpu.decode_attention is decode_attention
+    assert str(cpu) == "reference kernels (auto on cpu)"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        kernels.for_device(torch.device("cpu"), "triton")
+    with pytest.raises(ValueError, match="use one of"):
+        kernels.for_device(torch.device("cpu"), "fast")
