@@ -170,17 +170,22 @@ def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     m = torch.full((b, kvh, n * g, 1), float("-inf"), device=q.device)
     total = torch.zeros_like(m)
     acc = torch.zeros(b, kvh, n * g, d, device=q.device)
-    for start in range(0, k.shape[2], tile):
+    # One sequence's queries come in position order, so those that see nothing of a tile are
+    # the first rows: they are left out of it (for them it would change nothing anyway).
+    chunk = visible[0] if b == 1 else None
+    for start in range(0, int(visible.max()), tile):
+        lo = 0 if chunk is None else int(torch.searchsorted(chunk, start, right=True)) * g
         keys = torch.arange(start, start + tile, device=q.device)
-        s = torch.matmul(rows, k[:, :, start:start + tile].float().transpose(-1, -2))
-        s = s.mul_(scale).masked_fill_(keys >= seen, float("-inf"))
+        s = torch.matmul(rows[:, :, lo:], k[:, :, start:start + tile].float().transpose(-1, -2))
+        s = s.mul_(scale).masked_fill_(keys >= seen[:, :, lo:], float("-inf"))
         # Every query sees key 0, so the running maximum is finite from the first tile on;
         # a tile a query cannot see leaves its sums exactly as they were (exp(0) = 1, p = 0).
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_new = torch.maximum(m[:, :, lo:], s.amax(-1, keepdim=True))
         p = torch.exp(s - m_new)
-        alpha = torch.exp(m - m_new)
-        total = total * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, v[:, :, start:start + tile].float())
-        m = m_new
+        alpha = torch.exp(m[:, :, lo:] - m_new)
+        total[:, :, lo:] = total[:, :, lo:] * alpha + p.sum(-1, keepdim=True)
+        acc[:, :, lo:] = acc[:, :, lo:] * alpha + torch.matmul(
+            p, v[:, :, start:start + tile].float())
+        m[:, :, lo:] = m_new
     out = (acc / total).to(q.dtype).view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4)
     return out.reshape(b, n, h, d)
