@@ -1,6 +1,6 @@
 """API keys: with a keys file, every /v1/ request must carry a valid key, which names its
 tenant; without one, every request belongs to the default tenant. /metrics and /stats, which
-name tenants, take the metrics key or a key of the admin tenant (see _operator_check)."""
+name tenants, take the metrics key or a key of the admin tenant (see _check_operator)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from surge.keys import KeyStore
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
-OPERATOR_PATHS = ("/metrics", "/stats")
+_OPERATOR_PATHS = ("/metrics", "/stats")
 
 
 def _bearer(request: web.Request) -> str:
@@ -38,39 +38,30 @@ def _tenant(keys: KeyStore, key: str) -> str:
     return tenant
 
 
-def _operator_check(keys: KeyStore | None, cfg: ServerConfig) -> Callable[[web.Request], None]:
-    """Checks a request for /metrics or /stats: with metrics_auth=keys and a keys file or a
-    metrics key, only the metrics key or a key of the admin tenant passes."""
+def _check_operator(request: web.Request, keys: KeyStore | None, cfg: ServerConfig) -> None:
+    """For /metrics and /stats: with metrics_auth=keys and a keys file or a metrics key, only
+    the metrics key or a key of the admin tenant passes."""
     metrics_key = (cfg.metrics_key or "").encode()
-
-    def check(request: web.Request) -> None:
-        if cfg.metrics_auth == "public" or (keys is None and not metrics_key):
-            return
-        key = _bearer(request)
-        if metrics_key and hmac.compare_digest(key.encode(errors="surrogatepass"),
-                                               metrics_key):
-            return
-        if keys is None:
-            raise ApiError(401, "this is not the metrics key (metrics_key)",
-                           code="invalid_api_key")
-        if _tenant(keys, key) != cfg.admin_tenant or not cfg.admin_tenant:
-            raise ApiError(403, f"{request.path} is only for the metrics key (metrics_key) or "
-                                f"a key of the admin tenant (admin_tenant)",
-                           code="not_admin_tenant")
-
-    return check
+    if cfg.metrics_auth == "public" or (keys is None and not metrics_key):
+        return
+    key = _bearer(request)
+    if metrics_key and hmac.compare_digest(key.encode(errors="surrogatepass"), metrics_key):
+        return
+    if keys is None:
+        raise ApiError(401, "this is not the metrics key (metrics_key)", code="invalid_api_key")
+    if _tenant(keys, key) != cfg.admin_tenant:  # never "": tenant names are not empty
+        raise ApiError(403, f"{request.path} is only for the metrics key (metrics_key) or a key "
+                            f"of the admin tenant (admin_tenant)", code="not_admin_tenant")
 
 
 def auth_middleware(keys: KeyStore | None, cfg: ServerConfig) -> Middleware:
-    check_operator = _operator_check(keys, cfg)
-
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         request["tenant"] = "default"
         # By the route matched, not the path as written, so no spelling of it slips past.
         resource = request.match_info.route.resource
-        if resource is not None and resource.canonical in OPERATOR_PATHS:
-            check_operator(request)
+        if resource is not None and resource.canonical in _OPERATOR_PATHS:
+            _check_operator(request, keys, cfg)
         elif keys is not None and request.path.startswith("/v1/"):
             request["tenant"] = _tenant(keys, _bearer(request))
         return await handler(request)

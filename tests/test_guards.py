@@ -274,6 +274,7 @@ def test_metrics_auth_settings(tmp_path):
     assert _statuses(ServerConfig(admin_tenant="alice"), store, alice) == [200, 200, 200]
     assert _statuses(ServerConfig(admin_tenant="alice"), store, admin) == [403, 403, 200]
     assert _statuses(ServerConfig(admin_tenant=""), store, admin) == [403, 403, 200]
+    assert _statuses(ServerConfig(admin_tenant=""), store, admin + "x") == [401, 401, 401]
 
 
 def test_default_connection_limit_follows_the_open_file_limit():
