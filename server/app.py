@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from server.auth import auth_middleware
+from server.connections import ConnectionGuard, connection_limit
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
@@ -43,6 +44,8 @@ class Frontend:
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
         self.sockets = OpenSockets()
+        self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
+                                           cfg.header_timeout_s)
 
     # ---- endpoints ----
 
@@ -264,7 +267,8 @@ def _work_middleware(frontend: Frontend) -> Any:
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
     keys = KeyStore(frontend.cfg.api_keys_file) if frontend.cfg.api_keys_file else None
-    app = web.Application(middlewares=[error_middleware, auth_middleware(keys),
+    app = web.Application(middlewares=[frontend.connections.middleware(), error_middleware,
+                                       auth_middleware(keys, frontend.cfg),
                                        _work_middleware(frontend)],
                           client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes

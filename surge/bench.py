@@ -134,15 +134,17 @@ def _live_parameters(url: str) -> dict | None:
     return reply.values if reply.ok else None
 
 
-def engine_stats(url: str, after: float | None = None) -> dict | None:
+def engine_stats(url: str, after: float | None = None, headers: dict | None = None
+                 ) -> dict | None:
     """A surge server's running totals (/stats), fresher than `after` if given; None from
-    other servers."""
+    other servers, and when API keys guard /stats and `headers` carry neither the metrics key
+    nor an admin tenant's key."""
     import time
 
     deadline = time.monotonic() + 5
     while True:
         try:
-            stats = _get_json(f"{url}/stats", {})
+            stats = _get_json(f"{url}/stats", headers or {})
         except (OSError, ValueError):
             return None
         # Empty until the scheduler's first report, a moment after the server is ready.
@@ -181,7 +183,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
-    before = engine_stats(opts.url)
+    before = engine_stats(opts.url, headers=headers)
     with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
         if kind == "rate" or opts.workload == "trace":
             if opts.workload != "trace":
@@ -192,7 +194,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
                                                     opts.duration, done=bar.update))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
-    after = engine_stats(opts.url, after=before["time"] + wall) if before else None
+    after = engine_stats(opts.url, before["time"] + wall, headers) if before else None
     if before and after:
         result["server"] = _server_share(before, after)
     return result

@@ -26,6 +26,10 @@ e2e = Histogram("surge_request_latency_seconds", "end-to-end request latency",
                 buckets=LATENCY_BUCKETS)
 prompt_tokens = Counter("surge_prompt_tokens", "prompt tokens of finished requests")
 generated_tokens = Counter("surge_generated_tokens", "tokens generated for finished requests")
+open_connections = Gauge("surge_open_connections", "client connections open",
+                         multiprocess_mode="livemax")
+refused_connections = Counter("surge_refused_connections", "client connections refused over "
+                              "max_connections")
 
 # scheduler
 queue_wait = Histogram("surge_queue_wait_seconds", "arrival to first scheduled step",
