@@ -1,11 +1,12 @@
-"""Compute kernels. Each has a plain-PyTorch reference (any device; the CPU path and the test
-oracle) and a Triton implementation with the same signature beside it (CUDA). `for_device`
-picks one backend as a value, a Kernels bundle, which the worker chooses once and the model
-holds."""
+"""Compute kernels. Each has a plain-PyTorch reference (any device; the test oracle), and beside
+it, with the same signature, a Triton implementation (CUDA; `*_triton.py`) and for some a C++
+one (CPU; `*_cpu.py` over kernels/cpu/). `for_device` picks one backend as a value, a Kernels
+bundle, which the worker chooses once and the model holds."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from kernels.attention import (
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,23 @@ class Kernels:
         return f"{self.name} kernels ({self.reason})"
 
 
-# kernel -> the module holding its reference; the Triton one is the same name + "_triton".
+# kernel -> the module holding its reference; a backend's is the same name + "_triton" or
+# "_cpu". The C++ backend has no store_kv or rotary of its own yet: those are the reference's.
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary"}
 
 
 def backend(name: str, reason: str) -> Kernels:
-    """The named backend's bundle (reference or triton)."""
-    suffix = "_triton" if name == "triton" else ""
-    return Kernels(name, reason, **{
-        kernel: getattr(importlib.import_module(f"kernels.{module}{suffix}"), kernel)
-        for kernel, module in _MODULES.items()})
+    """The named backend's bundle (reference, cpu or triton)."""
+    def find(kernel: str, module: str) -> Callable:
+        if name != "reference" and importlib.util.find_spec(f"kernels.{module}_{name}"):
+            own = importlib.import_module(f"kernels.{module}_{name}")
+            if hasattr(own, kernel):
+                return getattr(own, kernel)
+        return getattr(importlib.import_module(f"kernels.{module}"), kernel)
+
+    return Kernels(name, reason, **{k: find(k, m) for k, m in _MODULES.items()})
 
 
 REFERENCE = backend("reference", "the default before a worker picks")
@@ -69,6 +75,16 @@ def for_device(device: torch.device, choice: str = "auto") -> Kernels:
         raise ValueError("the triton kernel backend needs CUDA (or TRITON_INTERPRET=1 to run it "
                          "in Triton's slow interpreter); use --kernel-backend reference")
     why = "--kernel-backend" if choice != "auto" else f"auto on {device.type}"
+    if choice == "cpu":
+        from kernels.cpu import extension
+
+        if device.type != "cpu":
+            raise ValueError("the cpu kernel backend runs on the CPU; use --kernel-backend auto")
+        if extension() is None:
+            raise ValueError("--kernel-backend cpu: the C++ kernels did not build (see the "
+                             "warning above); use --kernel-backend reference")
+        return backend("cpu", why)
+    # auto stays on the reference on the CPU until the C++ backend is measured faster per step.
     if choice == "reference" or (choice == "auto" and device.type != "cuda"):
         return backend("reference", why)
     return backend("triton", why)

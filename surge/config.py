@@ -59,9 +59,10 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head)")
     ] = True
     kernel_backend: Annotated[
-        Literal["auto", "reference", "triton"],
+        Literal["auto", "reference", "cpu", "triton"],
         Meta(description="compute kernels: auto picks triton on CUDA and the PyTorch reference "
-             "elsewhere; reference or triton force one (A/B runs, debugging)"),
+             "elsewhere; reference, cpu (the C++ kernels: paged attention in place, fused "
+             "RMSNorm) or triton force one (A/B runs, debugging)"),
     ] = "auto"
     deterministic: Annotated[
         bool, Meta(description="batch-invariant attention (CPU only): a token's result does "
