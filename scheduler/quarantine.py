@@ -42,8 +42,9 @@ class Quarantine:
         return poisoned
 
     def next(self, seqs: dict[int, Sequence]) -> Sequence | None:
-        """The suspect to run alone next: the oldest."""
-        return seqs[min(self.crash_points)] if self.crash_points else None
+        """The suspect to run alone next: the newest, most likely the culprit (the older ones
+        had run in steps that did not crash before it came)."""
+        return seqs[max(self.crash_points)] if self.crash_points else None
 
     def served(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
         """plan's step finished: a suspect in it that has got past its crash point is cleared."""

@@ -159,6 +159,9 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
+        if self.engine.problem:
+            return web.json_response({"status": "unhealthy", "reason": self.engine.problem},
+                                     status=503)
         return web.json_response({"status": "ok"})
 
     # ---- response helpers ----

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from surge.protocol import (
     AbortRequest,
+    EngineHealth,
     EngineOutputs,
     EngineReady,
     EngineRequest,
@@ -34,6 +35,7 @@ class EngineClient:
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
         self.stats: EngineStats | None = None
+        self.problem: str | None = None  # why the engine is unhealthy (see EngineHealth)
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -45,6 +47,9 @@ class EngineClient:
                 continue
             if isinstance(msg, EngineStats):
                 self.stats = msg
+                continue
+            if isinstance(msg, EngineHealth):
+                self.problem = msg.problem
                 continue
             assert isinstance(msg, EngineOutputs)
             for out in msg.outputs:

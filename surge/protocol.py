@@ -100,6 +100,13 @@ class EngineStats(Struct, tag=True, kw_only=True):
     queued_tokens: int = 0  # prompt tokens of the waiting requests
 
 
+class EngineHealth(Struct, tag=True):
+    """Sent when the engine turns unhealthy (a restarted worker died again before it served a
+    step) and when it serves again (problem None)."""
+
+    problem: str | None
+
+
 class EngineReady(Struct, tag=True, kw_only=True):
     """Sent once the workers have loaded the model and the KV cache is sized."""
 
@@ -153,6 +160,7 @@ class WorkerReady(Struct, tag=True, kw_only=True):
     num_blocks: int
     block_size: int
     description: str
+    generation: int = 0  # of workers: each replacement of the group is the next one
 
 
 class SeqResult(Struct, array_like=True):
@@ -179,6 +187,7 @@ class WorkerFailed(Struct, tag=True):
     # False: a new worker is (or may be) on its way, so the scheduler waits and recomputes;
     # True: the supervisor gave up, so every request ends with an error.
     fatal: bool = False
+    generation: int = 0  # of the worker that failed (see WorkerReady)
 
 
 # ---- admin (`surge admin`, the supervisor) -> scheduler (ZeroMQ request/reply) ----
@@ -196,7 +205,7 @@ class AdminReply(Struct, tag=True):
 
 
 FrontendMessage = EngineRequest | AbortRequest
-SchedulerMessage = EngineOutputs | EngineReady | EngineStats
+SchedulerMessage = EngineOutputs | EngineReady | EngineStats | EngineHealth
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 PlanMessage = StepPlan | Shutdown
 

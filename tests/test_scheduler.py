@@ -353,11 +353,12 @@ def test_identical_prompts_share_blocks_within_one_step():
 
 
 def test_a_request_in_two_crashed_steps_ends_alone_and_the_others_finish():
-    """Both were in the step that crashed; after the restart each runs alone up to where it
-    crashed, and the one whose step of its own crashes the worker again ends with an error."""
+    """Both were in the step that crashed; after the restart each runs alone (the newest
+    first) up to where it crashed, and the one whose step of its own crashes the worker again
+    ends with an error."""
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=32)
-    assert sched.add(_request("poison", [9] * 6, 8)) is None
     assert sched.add(_request("normal", [5] * 6, 8)) is None
+    assert sched.add(_request("poison", [9] * 6, 8)) is None
     first = sched.schedule()
     sched.update(first, _sampled(first, 7))
     crashed = sched.schedule()  # a decode step of both
