@@ -23,7 +23,7 @@ from surge.protocol import (
     EngineHealth,
     EngineOutputs,
     EngineReady,
-    EngineRequest,
+    EngineRequests,
     FrontendMessage,
     RequestOutput,
     StepPlan,
@@ -192,8 +192,9 @@ class SchedulerLoop:
             except msgspec.DecodeError as e:
                 log.error("skipped a malformed message from the frontend: %s", e)
                 continue
-            if isinstance(msg, EngineRequest):
-                replies.append(self.scheduler.add(msg) or RequestOutput(msg.request_id, []))
+            if isinstance(msg, EngineRequests):
+                replies.extend(self.scheduler.add_all(msg.requests)
+                               or [RequestOutput(r.request_id, []) for r in msg.requests])
             elif isinstance(msg, AbortRequest):
                 replies.extend(self.scheduler.abort(msg.request_ids))
         if replies:
@@ -307,8 +308,8 @@ class SchedulerLoop:
         self.scheduler.abort(ids)
         while self.requests.poll(0):
             msg = self.frontend_decoder.decode(self.requests.recv())
-            if isinstance(msg, EngineRequest):
-                ids.append(msg.request_id)
+            if isinstance(msg, EngineRequests):
+                ids += [r.request_id for r in msg.requests]
         self.outputs.send(encode(EngineOutputs([RequestOutput(i, [], "error", reason)
                                                 for i in ids])))
 

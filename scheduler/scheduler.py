@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 
+import msgspec
+
 from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
 from scheduler.cost import StepCost
@@ -22,6 +24,7 @@ from scheduler.quarantine import POISON_ERROR, Quarantine
 from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculation
+from scheduler.tenants import Tenant
 from shm.staging import STAGING_WORDS
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
@@ -82,6 +85,34 @@ class Scheduler:
     def add(self, req: EngineRequest) -> RequestOutput | None:
         """Queue a request; an error output instead if it is refused (it could never fit the
         KV cache, or a limit says no)."""
+        refusals = self.add_all([req])
+        return refusals[0] if refusals else None
+
+    def add_all(self, reqs: list[EngineRequest]) -> list[RequestOutput]:
+        """Queue the engine requests of one API request (its prompts and choices) as a unit:
+        all of them, or none, each then refused as the first refused one is. The refusals;
+        none when all are queued."""
+        refusal = next(filter(None, map(self._invalid, reqs)), None)
+        now = self.clock()
+        first = reqs[0]
+        tenant = self.admission.tenant(first.tenant, now)
+        # The tenant's defaults for what the request leaves out.
+        priority = tenant.cfg.priority if first.priority is None else first.priority
+        timeout = first.timeout_s or tenant.cfg.timeout_s
+        refusal = refusal or self.admission.check(reqs, tenant, self.waiting, now, priority,
+                                                  timeout)
+        if refusal is not None:
+            return [msgspec.structs.replace(refusal, request_id=r.request_id) for r in reqs]
+        self._classes_seen[priority] = now
+        if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
+            self._classes_seen = {p: t for p, t in self._classes_seen.items()
+                                  if now - t < _MIXED_WINDOW_S}
+        for req in reqs:
+            self._queue(req, tenant, priority, timeout)
+        return []
+
+    def _invalid(self, req: EngineRequest) -> RequestOutput | None:
+        """A 400 for a request that can never run here."""
         if req.sampling.max_tokens < 1 or not req.prompt_token_ids:
             return RequestOutput(req.request_id, [], "error",
                                  "a request needs a prompt and max_tokens >= 1", status=400)
@@ -95,20 +126,11 @@ class Scheduler:
         if req.request_id in self.requests:
             return RequestOutput(req.request_id, [], "error",
                                  f"request id {req.request_id} is already in use", status=400)
-        now = self.clock()
-        tenant = self.admission.tenant(req.tenant, now)
-        # The tenant's defaults for what the request leaves out.
-        priority = tenant.cfg.priority if req.priority is None else req.priority
-        timeout = req.timeout_s or tenant.cfg.timeout_s
-        refusal = self.admission.check(req, tenant, self.waiting, now, priority, timeout)
-        if refusal is not None:
-            return refusal
+        return None
+
+    def _queue(self, req: EngineRequest, tenant: Tenant, priority: int, timeout: float) -> None:
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
         deadline = req.arrival_time + timeout if timeout else None
-        self._classes_seen[priority] = now
-        if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
-            self._classes_seen = {p: t for p, t in self._classes_seen.items()
-                                  if now - t < _MIXED_WINDOW_S}
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
                        seed, req.arrival_time, tenant, priority, deadline)
         self._next_seq_id += 1
@@ -118,7 +140,6 @@ class Scheduler:
         self.waiting.add(seq)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, seq.seq_id))
-        return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []

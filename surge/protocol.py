@@ -44,6 +44,13 @@ class EngineRequest(Struct, tag=True, kw_only=True):
     timeout_s: float | None = None  # must start within this; None: the tenant's default
 
 
+class EngineRequests(Struct, tag=True):
+    """Every engine request of one API request (its prompts times n), in one message: the
+    scheduler admits them as a unit, all or none."""
+
+    requests: list[EngineRequest]
+
+
 class AbortRequest(Struct, tag=True):
     request_ids: list[str]
 
@@ -204,7 +211,7 @@ class AdminReply(Struct, tag=True):
     values: dict[str, object] = {}
 
 
-FrontendMessage = EngineRequest | AbortRequest
+FrontendMessage = EngineRequests | AbortRequest
 SchedulerMessage = EngineOutputs | EngineReady | EngineStats | EngineHealth
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 PlanMessage = StepPlan | Shutdown
