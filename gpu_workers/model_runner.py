@@ -25,6 +25,7 @@ from surge.protocol import (
     StepResult,
     TokenLogprobs,
 )
+from surge.step_size import step_words
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -152,7 +153,7 @@ class ModelRunner:
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         bs, stage = self.block_size, self.staging
-        slot = stage.begin()
+        slot = stage.begin(step_words(plan, sampling=self.model.tp.rank == 0))
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
         nd = int((lens == 1).sum())
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, len(seqs))

@@ -30,6 +30,14 @@ from surge.protocol import PlanMessage, Shutdown, WorkerFailed, WorkerReady, enc
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.worker")
+_TEST_CRASH_EXIT = 86
+
+
+def _test_crash_token() -> int | None:
+    """A test hook, for the crash-recovery tests only: with SURGE_TEST_CRASH_TOKEN=ID set, a
+    worker exits at once (code 86) on any step that feeds token ID. Unset, it does nothing."""
+    value = os.environ.get("SURGE_TEST_CRASH_TOKEN")
+    return int(value) if value else None
 
 
 def _cpu_has_bf16() -> bool:
@@ -66,7 +74,9 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
         runner, ready = _load(cfg, rank, f"{channels.runtime_dir}/tp-{generation}")
+        ready.generation = generation
         device = runner.device
+        crash_token = _test_crash_token()
         ring.skip_to_end()
         results.send(encode(ready))
         status.put((f"worker {rank}", ready.description))
@@ -96,6 +106,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
             msg = decoder.decode(ring.get())
             if isinstance(msg, Shutdown):
                 break
+            if crash_token is not None and any(crash_token in s.token_ids for s in msg.seqs):
+                os._exit(_TEST_CRASH_EXIT)  # the test hook: die as a crashing kernel would
             started = time.perf_counter()
             wait_s = started - idle_since if pending is None else 0.0
             # Step N+1's inputs are packed and sent while step N computes.
@@ -107,7 +119,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         pass
     except BaseException as e:
         log.error("worker failed:\n%s", traceback.format_exc())
-        results.send(encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        results.send(encode(WorkerFailed(rank, f"{type(e).__name__}: {e}",
+                                         generation=generation)))
         raise SystemExit(1) from e
     finally:
         ring.close()

@@ -38,7 +38,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.engine = engine
         self.translator = RequestTranslator(tokenizer, engine, model_name, max_model_len,
-                                            cfg.max_prompt_tokens)
+                                            cfg.max_prompt_tokens, cfg.max_choices)
         self.token_text = TokenText(tokenizer.hf)
         self.created = int(time.time())
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
@@ -72,17 +72,11 @@ class Frontend:
         taken them all (or raise its refusal); their pieces merged."""
         requests = self.translator.engine_requests(body, rid, prompts, max_tokens, logprobs,
                                                    tenant)
-        taken = await asyncio.gather(*(submit(self.engine, r) for r in requests),
-                                     return_exceptions=True)
-        if refused := [e for e in taken if isinstance(e, BaseException)]:
-            for r in requests:
-                self.engine.abort(r.request_id)
-            raise refused[0]
+        taken = await submit(self.engine, requests)
         stop = stop_strings(body)
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
-                   for index, (r, stream) in enumerate(zip(requests, taken, strict=True))
-                   if not isinstance(stream, BaseException)]
+                   for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
         return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant)
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
@@ -162,6 +156,9 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
+        if self.engine.problem:
+            return web.json_response({"status": "unhealthy", "reason": self.engine.problem},
+                                     status=503)
         return web.json_response({"status": "ok"})
 
     # ---- response helpers ----

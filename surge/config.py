@@ -92,6 +92,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
                   "window)")
     ] = 0
+    max_choices: Annotated[
+        int, Meta(ge=1, description="most choices one request may ask for: its prompts times "
+                  "n, each an engine request (more get 400)")
+    ] = 256
     api_keys_file: Annotated[
         str | None, Meta(description="JSON file of API keys (salted hashes) and their tenants, "
                          "managed with `surge admin keys`; unset: no keys, one tenant")
