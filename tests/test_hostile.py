@@ -85,6 +85,8 @@ CASES = [
      _j({**HI, "n": 16, "logit_bias": {str(i): 1 for i in range(20_000)}}), 400, "logit_bias"),
     ("stop_token_ids of 300,000 ids", "/v1/completions",
      _j({**HI, "stop_token_ids": list(range(300_000))}), 400, "stop_token_ids"),
+    ("5,000 one-token prompts with n 16 (80,000 choices)", "/v1/completions",
+     _j({"prompt": [[t] for t in range(1, 5001)], "n": 16, "max_tokens": 1}), 400, "prompt"),
     ("5,000-digit logit_bias key", "/v1/completions",
      _j({**HI, "logit_bias": {"1" * 5000: 1}}), 400, "logit_bias"),
     ("100,000-deep JSON", "/v1/completions",
