@@ -58,6 +58,7 @@ class Scheduler:
         self._classes_seen: dict[int, float] = {}  # priority -> its latest arrival
         self.queue_waits: list[float] = []  # arrival to first step, drained by StatsCollector
         self.spec = Speculation(speculative or SpeculativeConfig())
+        self._released: list[int] = []  # for the next plan's StepPlan.released
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,7 +102,7 @@ class Scheduler:
             self._classes_seen = {p: t for p, t in self._classes_seen.items()
                                   if now - t < _MIXED_WINDOW_S}
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
-                       seed, req.arrival_time, tenant, priority, deadline)
+                       seed, req.arrival_time, tenant, priority, deadline, req.grammar)
         self._next_seq_id += 1
         self.requests[req.request_id] = seq
         self.seqs[seq.seq_id] = seq
@@ -160,6 +161,8 @@ class Scheduler:
             self.blocks.free(seq)
         seq.status = Status.FINISHED
         seq.tenant.finished.add(self.clock())
+        if seq.grammar is not None:
+            self._released.append(seq.seq_id)
         del self.requests[seq.request_id]
         del self.seqs[seq.seq_id]
 
@@ -169,6 +172,7 @@ class Scheduler:
         self._stop(seq, Status.WAITING)
         seq.num_computed_tokens = 0
         seq.draft = []
+        seq.grammar_sent = False
         self.waiting.add(seq)
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
@@ -183,6 +187,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.num_pending = 0
             seq.draft, seq.spec_inflight = [], False
+            seq.grammar_sent = False
+        self._released = []  # the new workers hold no matchers
         self.blocks.forget_contents()
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
@@ -290,7 +296,8 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
-        plan = StepPlan(self._next_step_id, chosen)
+        plan = StepPlan(self._next_step_id, chosen, self._released)
+        self._released = []
         self._next_step_id += 1
         return plan
 
@@ -341,12 +348,17 @@ class Scheduler:
         seq.spec_inflight = bool(drafts or propose)
         seq.draft = []  # proposals are for the step right after the one that made them
         params = seq.sampling
+        # A computation starts with every output token known (see the num_pending checks).
+        grammar = seq.grammar if not seq.grammar_sent else None
+        seq.grammar_sent = True
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tokens + drafts, start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=params, seed=seq.seed,
             ban_stop_tokens=sample and output_index < params.min_tokens,
             history=list(seq.token_ids) if sample and params.uses_penalties else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose)
+            num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose,
+            grammar=grammar,
+            grammar_tokens=seq.token_ids[seq.num_prompt_tokens:] if grammar else [])
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each sequence's new tokens (with proposals, those accepted and one more),

@@ -67,8 +67,9 @@ class Frontend:
                   ) -> AsyncIterator[Piece]:
         """Submit the body's engine requests (one per choice) and wait until the scheduler has
         taken them all (or raise its refusal); their pieces merged."""
+        grammar = await self.translator.grammar(body)
         requests = self.translator.engine_requests(body, rid, prompts, max_tokens, logprobs,
-                                                   tenant)
+                                                   tenant, grammar)
         taken = await asyncio.gather(*(submit(self.engine, r) for r in requests),
                                      return_exceptions=True)
         if refused := [e for e in taken if isinstance(e, BaseException)]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -26,6 +27,29 @@ MAX_STOP_TOKEN_IDS = 256
 
 class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    # OpenAI names it `schema`; the Struct attribute cannot shadow msgspec's own names.
+    json_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # constrained output is always strict
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's newer form of the guided_* fields (one of them)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +80,13 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     # Seconds the request may wait in the queue before it starts; None: the tenant's default.
     timeout: Annotated[float, Meta(ge=0.001)] | None = None
+    # Structured output (server/structured.py): OpenAI's, and vLLM's extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.structured import Grammars, constraint_of
 from server.tokenizer import Tokenizer
 from surge.protocol import EngineRequest, SamplingParams
 
@@ -34,6 +35,7 @@ class RequestTranslator:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
+        self.grammars = Grammars()
 
     def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():
@@ -66,9 +68,14 @@ class RequestTranslator:
         return ([await self._chat_prompt(body)], body.max_completion_tokens or body.max_tokens,
                 logprobs)
 
+    async def grammar(self, body: Body) -> str | None:
+        """The compiled grammar of the body's constraint (None: free text)."""
+        c = constraint_of(body)
+        return None if c is None else await self.grammars.compile(c)
+
     def engine_requests(self, body: Body, rid: str, prompts: list[list[int]],
-                        max_tokens: int | None, logprobs: int | None, tenant: str
-                        ) -> list[EngineRequest]:
+                        max_tokens: int | None, logprobs: int | None, tenant: str,
+                        grammar: str | None = None) -> list[EngineRequest]:
         """One request per choice, n per prompt in order (seeds seed, seed+1, ...)."""
         requests: list[EngineRequest] = []
         for i, prompt in enumerate(prompts):
@@ -80,7 +87,8 @@ class RequestTranslator:
                 requests.append(EngineRequest(
                     request_id=rid if len(prompts) * body.n == 1 else f"{rid}-{index}",
                     prompt_token_ids=prompt, sampling=seeded, arrival_time=time.time(),
-                    tenant=tenant, priority=body.priority, timeout_s=body.timeout))
+                    tenant=tenant, priority=body.priority, timeout_s=body.timeout,
+                    grammar=grammar))
         return requests
 
     def _check_model(self, model: str | None) -> None:
