@@ -102,10 +102,44 @@ class TextPart(Struct, kw_only=True, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # the arguments are always held to the schema when constrained
+
+
+class Tool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class ToolChoiceNamed(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -114,3 +148,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    # Tool calling (server/tools.py)
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool = True

@@ -13,6 +13,7 @@ from msgspec import Struct
 
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.tools import tool_grammar
 from surge.grammar import GrammarError, compile_grammar
 
 # Distinct constraints whose compiled grammar is kept (a few KB each).
@@ -52,6 +53,8 @@ def constraint_of(body: CompletionRequest | ChatCompletionRequest) -> Constraint
         if spec is not None:
             found.append(Constraint(kind, _schema(spec, param) if kind == "json_schema"
                                     else spec, param))
+    if isinstance(body, ChatCompletionRequest) and (calls := tool_grammar(body)):
+        found.append(Constraint("lark", calls, "tool_choice"))
     if len(found) > 1:
         raise ApiError(400, f"{found[0].param} and {found[1].param} both constrain the output; "
                             f"give one", param=found[1].param)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import msgspec
 from jinja2 import TemplateError
 
+from server import tools
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
@@ -111,14 +112,12 @@ class RequestTranslator:
             if m.content is None and m.role != "assistant":
                 raise ApiError(400, f"messages[{i}] ({m.role}) needs a content",
                                param="messages")
-        messages = [{"role": m.role if m.role != "developer" else "system",
-                     "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content or [])}
-                    for m in body.messages]
-        size = sum(len(m["content"]) for m in messages)
+        tools.check(body)
+        messages, tool_defs = tools.chat_messages(body, self.tokenizer.template_takes_tools)
+        size = sum(len(m["content"]) for m in messages) + len(str(tool_defs or ""))
         try:
-            return await self._off_loop_if_long(size, self.tokenizer.apply_chat_template,
-                                                messages)
+            return await self._off_loop_if_long(
+                size, lambda m: self.tokenizer.apply_chat_template(m, tool_defs), messages)
         except (ValueError, TemplateError) as e:
             raise ApiError(400, f"the model's chat template refused these messages: {e}",
                            param="messages") from None

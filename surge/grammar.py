@@ -40,6 +40,8 @@ def compile_grammar(kind: str, spec: Any) -> str:
     try:
         if kind == "json_schema":
             grammar = LLMatcher.grammar_from_json_schema(spec, overrides=_JSON_OPTIONS)
+        elif kind == "lark":
+            grammar = LLMatcher.grammar_from_lark(spec)
         elif kind == "choice":
             grammar = LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in spec))

@@ -153,3 +153,83 @@ def test_constraints_the_engine_cannot_honour_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+# ---- tool calling through the official client ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def _checked(calls) -> list[tuple[str, dict]]:
+    out = []
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+        assert call.id and call.type == "function"
+        out.append((call.function.name, arguments))
+    return out
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice):
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=choice,
+                temperature=0, max_tokens=80, parallel_tool_calls=False)
+    r = client.chat.completions.create(**args)
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = _checked(r.choices[0].message.tool_calls)
+    assert len(calls) == 1
+    if isinstance(choice, dict):
+        assert calls[0][0] == "get_time"
+    # Streamed: the deltas, assembled by index as the client's users do, give the same call.
+    assembled: dict[int, dict] = {}
+    reason = None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        for d in delta.tool_calls or []:
+            entry = assembled.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls"
+    assert [(e["name"], json.loads(e["arguments"])) for e in assembled.values()] == calls
+
+
+def test_two_turns_call_result_answer(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+        temperature=0, max_tokens=60)
+    message = first.choices[0].message
+    (name, arguments), = _checked(message.tool_calls)
+    followup = [*ASK_WEATHER, message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                 "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
+    answer = client.chat.completions.create(model=MODEL, messages=followup, tools=[WEATHER],
+                                            temperature=0, max_tokens=40)
+    final = answer.choices[0]
+    # With tool_choice auto the model may answer or call again; either is well-formed.
+    assert final.message.content or _checked(final.message.tool_calls)
+    assert final.finish_reason in ("stop", "length", "tool_calls")
+    print(f"\n  call {name}({arguments}) -> answer {final.message.content!r}")
+
+
+def test_tool_fields_that_do_not_fit_are_400(client):
+    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": {
+                             "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                         ({"functions": [WEATHER["function"]]}, "functions")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5,
+                                           extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
