@@ -43,6 +43,12 @@ def check(body: ChatCompletionRequest) -> None:
     if len(set(names)) != len(names):
         raise ApiError(400, "two tools have the same name", param="tools")
     for i, m in enumerate(body.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise ApiError(400, f"messages[{i}] ({m.role}) cannot carry tool_calls; only an "
+                                f"assistant turn does", param="messages")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise ApiError(400, f"messages[{i}] ({m.role}) cannot carry tool_call_id; only a "
+                                f"tool turn does", param="messages")
         if m.role == "tool" and not m.tool_call_id:
             raise ApiError(400, f"messages[{i}] (tool) needs a tool_call_id", param="messages")
 
