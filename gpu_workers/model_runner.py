@@ -16,6 +16,7 @@ from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.sampler import SamplingBatch, sample
 from shm.staging import Staging
+from surge.grammar import Matchers
 from surge.protocol import (
     PREVIOUS_TOKEN,
     SamplingParams,
@@ -98,11 +99,13 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *, graphs_max_batch: int = 0,
                  capture_graphs: bool = False, draft: LlamaModel | None = None,
-                 fixed_order: bool = False) -> None:
+                 fixed_order: bool = False, matchers: Matchers | None = None) -> None:
         """graphs_max_batch > 0: decode-only batches up to that size take the padded graph
         path (captured as CUDA graphs when capture_graphs). draft: speculative decoding's
-        draft model (see gpu_workers.draft). fixed_order: --deterministic attention."""
+        draft model (see gpu_workers.draft). fixed_order: --deterministic attention.
+        matchers: structured output's grammar matchers (rank 0, which samples)."""
         self.model = model
+        self.matchers = matchers
         self.fixed_order = fixed_order
         self.block_size = block_size
         self.device = device
@@ -241,6 +244,8 @@ class ModelRunner:
         the previous step's finish() (penalties read the tokens it sampled)."""
         self.staging.wait(step.slot)
         started = time.perf_counter()
+        if self.matchers is not None:
+            self._start_matchers(step.plan)
         if len(step.patch_at):
             step.input_ids[step.patch_at] = self.sampled[step.patch_from]
         meta = step.meta
@@ -261,6 +266,8 @@ class ModelRunner:
         if step.sampling is not None:  # rank 0 samples for the group
             logits = self.model.logits(hidden[step.logit_rows])
             self.forward_s = time.perf_counter() - started
+            # On CUDA the forward is only queued yet: the masks are filled while it computes.
+            self._constrain(step, step.sampling)
             # A row verifying a proposal sees the history up to its own position.
             full = {s.seq_id: self._history(s) for s in step.picked if s.history is not None}
             step.sampling.add_penalties(
@@ -326,7 +333,29 @@ class ModelRunner:
             seqs[s.seq_id] = SeqResult(tokens[rows], logprobs[rows] if asked else None,
                                        drafts.get(s.seq_id, []))
             self.last_sampled[s.seq_id] = tokens[first + taken]
+            if self.matchers is not None:
+                self.matchers.advance(s.seq_id, tokens[rows])
         return StepResult(step.plan.step_id, seqs)
+
+    def _start_matchers(self, plan: StepPlan) -> None:
+        """Matchers come and go in launch(), after the previous step's finish() advanced them."""
+        assert self.matchers is not None
+        self.matchers.release(plan.released)
+        for s in plan.seqs:
+            if s.grammar is not None:
+                self.matchers.start(s.seq_id, s.grammar, s.grammar_tokens)
+
+    def _constrain(self, step: Step, sampling: SamplingBatch) -> None:
+        """The token bitmasks of the constrained rows (a draft token's row too)."""
+        if self.matchers is None or not self.matchers.by_seq:
+            return
+        rows = [(s.seq_id, step.first_row[s.seq_id], s.token_ids[len(s.token_ids) - s.num_draft:])
+                for s in step.seqs if s.sample and s.seq_id in self.matchers]
+        if not rows:
+            return
+        masked, mask = self.matchers.bitmask(rows)
+        sampling.grammar_rows = torch.tensor(masked, dtype=torch.int64, device=self.device)
+        sampling.grammar_mask = mask.to(self.device, non_blocking=True)
 
     def _history(self, s: ScheduledSeq) -> list[int] | None:
         """Every token of s up to the one being sampled, for penalties (None without them)."""

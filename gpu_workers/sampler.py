@@ -75,6 +75,10 @@ class SamplingBatch(Struct, kw_only=True):
     bias: torch.Tensor | None = None  # [B, V] logit_bias, with -inf on banned stop tokens
     logprobs: list[int | None] = []
     drafts: torch.Tensor | None = None  # [B] the proposed token each row verifies (-1: none)
+    # Structured output: the constrained rows, and their token bitmasks [R, ceil(V / 32)]
+    # int32 (bit t set: token t allowed); the other rows are not touched.
+    grammar_rows: torch.Tensor | None = None
+    grammar_mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[ScheduledSeq], positions: list[int], vocab: int,
@@ -155,7 +159,18 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = logits - b.presence[:, None] * (b.output_counts > 0)
     if b.bias is not None:
         logits = logits + b.bias
+    if b.grammar_rows is not None and b.grammar_mask is not None:
+        logits = _apply_bitmask(logits, b.grammar_rows, b.grammar_mask)
     return logits
+
+
+def _apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+                   ) -> torch.Tensor:
+    """-inf on the tokens each masked row's grammar does not allow."""
+    bits = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

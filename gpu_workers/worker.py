@@ -24,6 +24,7 @@ from gpu_workers.quant import quantize_model
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig, parse_memory
+from surge.grammar import Matchers
 from surge.model_files import resolve_model
 from surge.process import child_setup
 from surge.protocol import PlanMessage, Shutdown, WorkerFailed, WorkerReady, encode
@@ -73,7 +74,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
     results.connect(channels.results)
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
-        runner, ready = _load(cfg, rank, f"{channels.runtime_dir}/tp-{generation}")
+        runner, ready = _load(cfg, rank, channels.runtime_dir, generation)
         ready.generation = generation
         device = runner.device
         crash_token = _test_crash_token()
@@ -127,10 +128,11 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
-def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerReady]:
+def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
+          ) -> tuple[ModelRunner, WorkerReady]:
     device = place(cfg.model, rank)
     tp = TensorParallel(rank, cfg.model.tensor_parallel_size)
-    init_group(tp, device, store)
+    init_group(tp, device, f"{runtime_dir}/tp-{generation}")
     dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
     started = time.monotonic()
@@ -163,7 +165,9 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
     graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
                          graphs_max_batch=graphs, capture_graphs=cuda, draft=draft,
-                         fixed_order=cfg.model.deterministic)
+                         fixed_order=cfg.model.deterministic,
+                         matchers=Matchers(runtime_dir, model.cfg.vocab_size) if rank == 0
+                         else None)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     if cuda:

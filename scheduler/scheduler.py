@@ -70,6 +70,7 @@ class Scheduler:
         # Requests ended while planning (a step of their own could never be staged), for the
         # loop to send.
         self.failed: list[RequestOutput] = []
+        self._released: list[int] = []  # for the next plan's StepPlan.released
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,7 +133,7 @@ class Scheduler:
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
         deadline = req.arrival_time + timeout if timeout else None
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
-                       seed, req.arrival_time, tenant, priority, deadline)
+                       seed, req.arrival_time, tenant, priority, deadline, req.grammar)
         self._next_seq_id += 1
         self.requests[req.request_id] = seq
         self.seqs[seq.seq_id] = seq
@@ -191,6 +192,8 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.tenant.finished.add(self.clock())
         self.quarantine.forget(seq.seq_id)
+        if seq.grammar is not None:
+            self._released.append(seq.seq_id)
         del self.requests[seq.request_id]
         del self.seqs[seq.seq_id]
 
@@ -200,6 +203,7 @@ class Scheduler:
         self._stop(seq, Status.WAITING)
         seq.num_computed_tokens = 0
         seq.draft = []
+        seq.grammar_sent = False
         self.waiting.add(seq)
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
@@ -225,6 +229,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.num_pending = 0
             seq.draft, seq.spec_inflight = [], False
+            seq.grammar_sent = False
+        self._released = []  # the new workers hold no matchers
         self.blocks.forget_contents()
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
@@ -361,7 +367,8 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
-        plan = StepPlan(self._next_step_id, chosen)
+        plan = StepPlan(self._next_step_id, chosen, self._released)
+        self._released = []
         self._next_step_id += 1
         return plan
 
@@ -435,12 +442,16 @@ class Scheduler:
         # The index, among the outputs, of the token this step samples.
         output_index = seq.num_output_tokens + seq.num_pending
         params = seq.sampling
+        # A computation starts with every output token known (see the num_pending checks).
+        grammar = seq.grammar if not seq.grammar_sent else None
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tokens + drafts, start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=params, seed=seq.seed,
             ban_stop_tokens=sample and output_index < params.min_tokens,
             history=list(seq.token_ids) if sample and params.uses_penalties else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose)
+            num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose,
+            grammar=grammar,
+            grammar_tokens=seq.token_ids[seq.num_prompt_tokens:] if grammar else [])
 
     def _commit(self, seq: Sequence, item: ScheduledSeq) -> None:
         """item is in the step: seq's tokens count as computed (its proposals' slots are
@@ -452,6 +463,7 @@ class Scheduler:
         seq.num_computed_tokens += item.num_draft
         seq.spec_inflight = bool(item.num_draft or item.propose)
         seq.draft = []  # proposals are for the step right after the one that made them
+        seq.grammar_sent = seq.grammar_sent or item.grammar is not None
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each sequence's new tokens (with proposals, those accepted and one more),

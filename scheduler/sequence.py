@@ -17,7 +17,8 @@ class Status(Enum):
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingParams, seed: int, arrival_time: float, tenant: Tenant,
-                 priority: int = 0, deadline: float | None = None) -> None:
+                 priority: int = 0, deadline: float | None = None,
+                 grammar: str | None = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -35,6 +36,8 @@ class Sequence:
         self.priority = priority  # lower is more urgent
         self.deadline = deadline  # when it must have started by, else it ends with an error
         self.first_scheduled: float | None = None
+        self.grammar = grammar  # structured output (see ScheduledSeq.grammar)
+        self.grammar_sent = False  # to the workers, for the computation under way
         self.status = Status.WAITING
         # Speculative decoding (see scheduler.speculation).
         self.draft: list[int] = []  # the draft model's proposals for the next step

@@ -21,6 +21,7 @@ from server.generate import Piece, generate, merge, submit
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
+from server.tools import ToolCallParser, tools_on
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import metrics
@@ -70,8 +71,9 @@ class Frontend:
                   ) -> AsyncIterator[Piece]:
         """Submit the body's engine requests (one per choice) and wait until the scheduler has
         taken them all (or raise its refusal); their pieces merged."""
+        grammar = await self.translator.grammar(body)
         requests = self.translator.engine_requests(body, rid, prompts, max_tokens, logprobs,
-                                                   tenant)
+                                                   tenant, grammar)
         taken = await submit(self.engine, requests)
         stop = stop_strings(body)
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
@@ -92,6 +94,8 @@ class Frontend:
         offsets = [len(e) for e in echo]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.translator.model_name}
+        # With tools, each choice's text goes through a parser that takes the calls out.
+        parsers = [ToolCallParser() for _ in range(n)] if chat and tools_on(body) else None
 
         def choice(piece: Piece) -> dict:
             lp = None
@@ -100,9 +104,17 @@ class Frontend:
                       completion_logprobs(piece, self.token_text, offsets[piece.index]))
             offsets[piece.index] += len(piece.text)
             if chat:
-                delta = {"content": piece.text} if piece.text else {}
+                text, calls, reason = piece.text, [], piece.finish_reason
+                if parsers is not None:
+                    parser = parsers[piece.index]
+                    text, calls = parser.feed(piece.text, final=reason is not None)
+                    if reason == "stop" and parser.calls:
+                        reason = "tool_calls"
+                delta: dict = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = calls
                 return {"index": piece.index, "delta": delta, "logprobs": lp,
-                        "finish_reason": piece.finish_reason}
+                        "finish_reason": reason}
             return {"index": piece.index, "text": piece.text, "logprobs": lp,
                     "finish_reason": piece.finish_reason}
 
@@ -124,7 +136,7 @@ class Frontend:
                 c = choice(piece)
                 texts[piece.index].append(piece.text)
                 counts[piece.index] += piece.num_tokens
-                reasons[piece.index] = piece.finish_reason or reasons[piece.index]
+                reasons[piece.index] = c["finish_reason"] or reasons[piece.index]
                 if c["logprobs"]:
                     lps[piece.index].append(c["logprobs"])
         choices = []
@@ -132,6 +144,9 @@ class Frontend:
             text = "".join(texts[i])
             out = ({"message": {"role": "assistant", "content": text}} if chat
                    else {"text": text})
+            if parsers is not None and parsers[i].calls:
+                out["message"] = {"role": "assistant", "content": parsers[i].content or None,
+                                  "tool_calls": parsers[i].calls}
             choices.append({"index": i, **out, "logprobs": merge_logprobs(lps[i]),
                             "finish_reason": reasons[i]})
         return self._json({**head, "object": "chat.completion" if chat else "text_completion",

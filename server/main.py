@@ -14,6 +14,7 @@ from server.app import Frontend, build_app
 from server.engine_client import EngineClient
 from server.tokenizer import Tokenizer
 from surge.config import SurgeConfig
+from surge.grammar import write_tokenizer
 from surge.model_files import default_name, max_model_len, resolve_model
 from surge.process import child_setup
 from surge.runtime import Channels
@@ -27,6 +28,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     files = resolve_model(cfg.model.model)
     tokenizer = Tokenizer(files)
+    write_tokenizer(tokenizer.hf, tokenizer.eos_token_ids, channels.runtime_dir)
     engine = EngineClient(channels)
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -26,6 +27,29 @@ MAX_STOP_TOKEN_IDS = 256
 
 class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    # OpenAI names it `schema`; the Struct attribute cannot shadow msgspec's own names.
+    json_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # constrained output is always strict
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's newer form of the guided_* fields (one of them)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +80,13 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     # Seconds the request may wait in the queue before it starts; None: the tenant's default.
     timeout: Annotated[float, Meta(ge=0.001)] | None = None
+    # Structured output (server/structured.py): OpenAI's, and vLLM's extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -71,10 +102,44 @@ class TextPart(Struct, kw_only=True, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # the arguments are always held to the schema when constrained
+
+
+class Tool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class ToolChoiceNamed(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -83,3 +148,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    # Tool calling (server/tools.py)
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool = True

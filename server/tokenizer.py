@@ -20,6 +20,13 @@ class Tokenizer:
         # Raw prompts get exactly the tokens of their text (no BOS), as the model card expects.
         return self.hf(text, add_special_tokens=False).input_ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` argument (else tools.py describes them)."""
+        return "tools" in (self.hf.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                           tokenize=False)
         return self.encode(text)

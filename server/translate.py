@@ -11,9 +11,11 @@ from typing import Any, TypeVar
 import msgspec
 from jinja2 import TemplateError
 
+from server import tools
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.structured import Grammars, constraint_of
 from server.tokenizer import Tokenizer
 from surge.protocol import EngineRequest, SamplingParams
 
@@ -35,6 +37,7 @@ class RequestTranslator:
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.max_choices = max_choices
+        self.grammars = Grammars()
 
     def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():
@@ -68,9 +71,14 @@ class RequestTranslator:
         return ([await self._chat_prompt(body)], body.max_completion_tokens or body.max_tokens,
                 logprobs)
 
+    async def grammar(self, body: Body) -> str | None:
+        """The compiled grammar of the body's constraint (None: free text)."""
+        c = constraint_of(body)
+        return None if c is None else await self.grammars.compile(c)
+
     def engine_requests(self, body: Body, rid: str, prompts: list[list[int]],
-                        max_tokens: int | None, logprobs: int | None, tenant: str
-                        ) -> list[EngineRequest]:
+                        max_tokens: int | None, logprobs: int | None, tenant: str,
+                        grammar: str | None = None) -> list[EngineRequest]:
         """One request per choice, n per prompt in order (seeds seed, seed+1, ...)."""
         requests: list[EngineRequest] = []
         for i, prompt in enumerate(prompts):
@@ -82,7 +90,8 @@ class RequestTranslator:
                 requests.append(EngineRequest(
                     request_id=rid if len(prompts) * body.n == 1 else f"{rid}-{index}",
                     prompt_token_ids=prompt, sampling=seeded, arrival_time=time.time(),
-                    tenant=tenant, priority=body.priority, timeout_s=body.timeout))
+                    tenant=tenant, priority=body.priority, timeout_s=body.timeout,
+                    grammar=grammar))
         return requests
 
     def _check_choices(self, body: Body) -> None:
@@ -116,14 +125,12 @@ class RequestTranslator:
             if m.content is None and m.role != "assistant":
                 raise ApiError(400, f"messages[{i}] ({m.role}) needs a content",
                                param="messages")
-        messages = [{"role": m.role if m.role != "developer" else "system",
-                     "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content or [])}
-                    for m in body.messages]
-        size = sum(len(m["content"]) for m in messages)
+        tools.check(body)
+        messages, tool_defs = tools.chat_messages(body, self.tokenizer.template_takes_tools)
+        size = sum(len(m["content"]) for m in messages) + len(str(tool_defs or ""))
         try:
-            return await self._off_loop_if_long(size, self.tokenizer.apply_chat_template,
-                                                messages)
+            return await self._off_loop_if_long(
+                size, lambda m: self.tokenizer.apply_chat_template(m, tool_defs), messages)
         except (ValueError, TemplateError) as e:
             raise ApiError(400, f"the model's chat template refused these messages: {e}",
                            param="messages") from None

@@ -97,6 +97,9 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                     body.logprobs is not False:
                 raise ApiError(400, "echo and logprobs are not available on the WebSocket; "
                                     "use the HTTP endpoint", param="logprobs")
+            if getattr(body, "tools", None):  # its frames carry text, not tool calls
+                raise ApiError(400, "tools are not available on the WebSocket; use the HTTP "
+                                    "endpoint", param="tools")
             prompts, max_tokens, logprobs = await frontend.translator.prepare(body)
             pieces = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
                                         logprobs, request["tenant"])

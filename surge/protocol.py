@@ -42,6 +42,9 @@ class EngineRequest(Struct, tag=True, kw_only=True):
     tenant: str = "default"
     priority: int | None = None  # lower is served first (vLLM's convention); None: the tenant's
     timeout_s: float | None = None  # must start within this; None: the tenant's default
+    # Structured output: the grammar engine's text for the constraint (surge.grammar); the
+    # frontend has checked it, rank 0's worker enforces it.
+    grammar: str | None = None
 
 
 class EngineRequests(Struct, tag=True):
@@ -148,11 +151,17 @@ class ScheduledSeq(Struct, array_like=True):
     # after it, the worker's draft model proposes `propose` tokens for the next one.
     num_draft: int = 0
     propose: int = 0
+    # On the first chunk of a constrained sequence's computation (new, or recomputed after
+    # preemption or a worker restart): its grammar, and its output tokens so far, which the
+    # worker's new matcher consumes first. The worker keeps the matcher until `released`.
+    grammar: str | None = None
+    grammar_tokens: list[int] = []
 
 
 class StepPlan(Struct, tag=True):
     step_id: int
     seqs: list[ScheduledSeq]
+    released: list[int] = []  # constrained sequences that ended: their matchers can go
 
 
 class Shutdown(Struct, tag=True):

@@ -246,7 +246,9 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi", "priority": 10**23}, "priority"),
     # Fields surge does not implement are refused by name, never ignored.
     ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}, "min_tokens": 2},
+     "min_tokens"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     # Per-request lists are bounded; numbers out of range are the client's fault.
     ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),

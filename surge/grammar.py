@@ -1,0 +1,147 @@
+"""The grammar engine behind one small interface: llguidance.
+
+Why llguidance rather than xgrammar: it has no dependencies (xgrammar's wheel requires torch,
+triton and transformers, so installing it risks replacing the CPU torch), it builds a grammar
+lazily (a schema costs about a millisecond to prepare, so a slow compile cannot stall anyone),
+and its matchers roll back and mask draft tokens, which speculative decoding needs.
+
+The frontend turns a constraint into the engine's grammar text (compile_grammar) and checks
+it; rank 0's worker keeps one matcher per constrained sequence (Matchers), fills the token
+bitmask of its rows for each step and advances the matchers with the tokens sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("surge.grammar")
+# Compact JSON with single spaces: with any whitespace allowed a small model may spend its
+# whole budget on newlines.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_schema", "regex", "choice", "grammar", "lark")
+TOKENIZER_FILE = "grammar-tokenizer.json"
+
+
+class GrammarError(ValueError):
+    """A constraint the engine cannot compile or does not fully support; the message says why."""
+
+
+def compile_grammar(kind: str, spec: Any) -> str:
+    """The engine's grammar for a constraint: kind is one of KINDS; spec a JSON schema (dict),
+    a regex, a list of choices, or a GBNF / Lark grammar text."""
+    from llguidance import LLMatcher, grammar_from
+
+    try:
+        if kind == "json_schema":
+            grammar = LLMatcher.grammar_from_json_schema(spec, overrides=_JSON_OPTIONS)
+        elif kind == "lark":
+            grammar = LLMatcher.grammar_from_lark(spec)
+        elif kind == "choice":
+            grammar = LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in spec))
+        else:
+            grammar = grammar_from("regex" if kind == "regex" else "grammar", spec)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(str(e)) from None
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    # A warning means part of the constraint would not be enforced: refuse rather than ignore.
+    if failed or messages:
+        raise GrammarError("; ".join(messages))
+    return grammar
+
+
+def write_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int], runtime_dir: str) -> None:
+    """The tokenizer the workers' matchers need, saved by the frontend (which has it loaded:
+    building it again from a GGUF file costs the worker seconds)."""
+    data = {"tokenizer": hf_tokenizer.backend_tokenizer.to_str(), "eos": eos_token_ids}
+    path = os.path.join(runtime_dir, TOKENIZER_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+class Matchers:
+    """Rank 0's matchers, one per constrained sequence, by seq_id."""
+
+    def __init__(self, runtime_dir: str, vocab: int) -> None:
+        self.path = os.path.join(runtime_dir, TOKENIZER_FILE)
+        self.vocab = vocab
+        self.words = (vocab + 31) // 32
+        self.by_seq: dict[int, Any] = {}
+        self._tokenizer: Any = None
+        self._executor: Any = None
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.by_seq
+
+    def _load(self) -> None:
+        """On the first constrained sequence (under a second), so unconstrained serving never
+        pays for it."""
+        from llguidance import LLExecutor, LLTokenizer
+
+        with open(self.path) as f:
+            data = json.load(f)
+        self._tokenizer = LLTokenizer(data["tokenizer"], n_vocab=self.vocab,
+                                      eos_token=data["eos"] or None)
+        self._executor = LLExecutor()
+
+    def start(self, seq_id: int, grammar: str, tokens: list[int]) -> None:
+        """A new matcher for seq_id (replacing any), past `tokens` (a recomputed sequence's
+        output so far)."""
+        from llguidance import LLMatcher
+
+        if self._tokenizer is None:
+            self._load()
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if tokens:
+            matcher.consume_tokens(tokens)
+        self.by_seq[seq_id] = matcher
+        self._check(seq_id)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.by_seq.pop(seq_id, None)
+
+    def advance(self, seq_id: int, tokens: list[int]) -> None:
+        matcher = self.by_seq.get(seq_id)
+        if matcher is not None and not matcher.is_stopped():
+            matcher.consume_tokens(tokens)
+            self._check(seq_id)
+
+    def _check(self, seq_id: int) -> None:
+        matcher = self.by_seq[seq_id]
+        if matcher.is_error():
+            # Only when a mask was not honoured (a stop token banned by the grammar's only
+            # choice): the sequence goes on unconstrained rather than failing the step.
+            log.warning("grammar of sequence %d failed, it goes on unconstrained: %s", seq_id,
+                        matcher.get_error())
+            del self.by_seq[seq_id]
+
+    def bitmask(self, rows: list[tuple[int, int, list[int]]]) -> tuple[list[int], torch.Tensor]:
+        """rows: (seq_id, first row, draft tokens) of the constrained sequences in a step.
+        -> (the step's rows that are masked, their bitmasks [R, words] int32: bit t of a row
+        set = token t allowed), one row per sampling position (after each draft token too)."""
+        plain, drafted, out_rows = [], [], []
+        for seq_id, first, drafts in rows:
+            matcher = self.by_seq.get(seq_id)
+            if matcher is None:
+                continue
+            if drafts:
+                drafted.append((matcher, len(out_rows), list(drafts)))
+            else:
+                plain.append((matcher, len(out_rows)))
+            out_rows += range(first, first + len(drafts) + 1)
+        mask = np.zeros((len(out_rows), self.words), dtype=np.int32)
+        size = (mask.ctypes.data, self.words * 4, len(out_rows))
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, *size)
+        if drafted:
+            # Rows past an invalid draft token keep "nothing allowed": their tokens are dropped.
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
+        return out_rows, torch.from_numpy(mask)

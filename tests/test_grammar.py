@@ -1,0 +1,119 @@
+"""The grammar engine's interface (surge.grammar), its masks in the batched sampler, how the
+scheduler hands grammars to the worker, and how a request's fields become one constraint."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from gpu_workers.sampler import SamplingBatch, sample
+from scheduler.scheduler import Scheduler
+from server.errors import ApiError
+from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.structured import constraint_of
+from surge.config import SchedulerConfig
+from surge.grammar import GrammarError, Matchers, compile_grammar, write_tokenizer
+from surge.protocol import EngineRequest, SamplingParams, ScheduledSeq, SeqResult, StepResult
+
+VOCAB = 49152
+
+
+@pytest.mark.parametrize(("kind", "spec", "says"), [
+    ("regex", "a(", "unclosed group"),
+    ("json_schema", {"type": "object", "if": {}}, "Unimplemented keys"),
+    ("json_schema", {"type": "string", "format": "weird"}, "Unknown format"),
+    ("grammar", "root ::= missing", "missing"),
+])
+def test_compile_errors_say_what_is_wrong(kind, spec, says):
+    with pytest.raises(GrammarError, match=says):
+        compile_grammar(kind, spec)
+
+
+@pytest.fixture(scope="module")
+def matchers(tokenizer, tmp_path_factory) -> Matchers:
+    folder = str(tmp_path_factory.mktemp("runtime"))
+    write_tokenizer(tokenizer.hf, tokenizer.eos_token_ids, folder)
+    return Matchers(folder, VOCAB)
+
+
+def _greedy(n: int) -> list[ScheduledSeq]:
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    return [ScheduledSeq(i, [5], 0, [0], True, params, 0) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_masked_rows_follow_the_grammar_and_the_others_do_not_move(matchers, tokenizer):
+    """Rows 0 and 2 constrained (row 2 verifying a draft token), rows 1 and 3 free: the free
+    rows' argmax is untouched; the constrained rows only pick allowed tokens."""
+    matchers.start(10, compile_grammar("choice", ["yes", "no"]), [])
+    matchers.start(11, compile_grammar("regex", "[0-9]{2}"), [])
+    yes = tokenizer.encode("yes")
+    assert len(yes) == 1
+    rows, mask = matchers.bitmask([(10, 0, []), (11, 2, [tokenizer.encode("4")[0]])])
+    assert rows == [0, 2, 3]
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0))
+    batch = SamplingBatch.build(_greedy(5), [9] * 5, VOCAB, torch.device("cpu"))
+    batch.grammar_rows, batch.grammar_mask = torch.tensor(rows), mask
+    tokens, _, _ = sample(logits, batch)
+    free = logits.argmax(dim=-1)
+    assert tokens[1] == free[1] and tokens[4] == free[4]
+    assert tokenizer.hf.decode([int(tokens[0])]) in ("y", "ye", "yes", "n", "no")
+    assert tokenizer.hf.decode([int(tokens[2])]).isdigit()
+    assert tokenizer.hf.decode([int(tokens[3])]).isdigit()
+    # After the whole choice only the end of the answer is allowed.
+    matchers.advance(10, yes)
+    rows, mask = matchers.bitmask([(10, 0, [])])
+    allowed = [t for t in range(VOCAB) if mask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == tokenizer.eos_token_ids
+    # A new matcher for a recomputed sequence starts past its output so far.
+    matchers.start(10, compile_grammar("choice", ["yes", "no"]), yes)
+    assert matchers.bitmask([(10, 0, [])])[1].equal(mask)
+    matchers.release([10, 11])
+    assert 10 not in matchers and 11 not in matchers
+
+
+def test_the_scheduler_sends_a_grammar_once_per_computation_and_releases_it():
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), 64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[2])
+    sched.add(EngineRequest(request_id="g", prompt_token_ids=[5, 6, 7], sampling=params,
+                            arrival_time=0.0, grammar="G"))
+    sched.add(EngineRequest(request_id="f", prompt_token_ids=[5, 6], arrival_time=0.0,
+                            sampling=msgspec.structs.replace(params, max_tokens=8)))
+
+    def step(token: int) -> list[ScheduledSeq]:
+        plan = sched.schedule()
+        assert plan is not None
+        sched.update(plan, StepResult(plan.step_id, {s.seq_id: SeqResult([token])
+                                                     for s in plan.seqs if s.sample}))
+        return plan
+
+    first = step(9)
+    assert [(s.grammar, s.grammar_tokens) for s in first.seqs] == [("G", []), (None, [])]
+    assert all(s.grammar is None for s in step(9).seqs)
+    seq = sched.requests["g"]
+    sched._preempt(seq)  # what the batch policy does under memory pressure
+    again = step(9)
+    assert [(s.grammar, s.grammar_tokens) for s in again.seqs if s.seq_id == seq.seq_id] \
+        == [("G", [9, 9])]
+    assert sched.schedule().released == [seq.seq_id]  # it reached max_tokens
+
+
+def _body(kind: type, **fields) -> CompletionRequest | ChatCompletionRequest:
+    base = {"prompt": "hi"} if kind is CompletionRequest else \
+        {"messages": [{"role": "user", "content": "hi"}]}
+    return msgspec.convert({**base, **fields}, kind)
+
+
+def test_request_fields_to_one_constraint():
+    c = constraint_of(_body(CompletionRequest, guided_json='{"type": "integer"}'))
+    assert (c.kind, c.spec, c.param) == ("json_schema", {"type": "integer"}, "guided_json")
+    c = constraint_of(_body(ChatCompletionRequest, structured_outputs={"choice": ["a", "b"]}))
+    assert (c.kind, c.spec) == ("choice", ["a", "b"])
+    c = constraint_of(_body(CompletionRequest, response_format={"type": "json_object"}))
+    assert (c.kind, c.spec) == ("json_schema", {"type": "object"})
+    assert constraint_of(_body(CompletionRequest, response_format={"type": "text"})) is None
+    with pytest.raises(ApiError) as e:
+        constraint_of(_body(CompletionRequest, guided_regex="a",
+                            response_format={"type": "json_object"}))
+    assert e.value.param == "guided_regex"

@@ -1,0 +1,235 @@
+"""Structured output against the real server: JSON schemas, regexes, choices and grammars hold
+for every answer, greedy and sampled, streamed or not, mixed with free requests in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.prompts import RAW
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "location": {"type": "object", "properties": {
+            "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+            "lon": {"type": "integer", "minimum": -180, "maximum": 180}},
+            "required": ["lat", "lon"], "additionalProperties": False}},
+        "required": ["city", "location"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "bright": {"type": "boolean"}},
+        "required": ["colour", "bright"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "primes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
+                   "minItems": 2, "maxItems": 4}},
+        "required": ["primes"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "code", "age"], "additionalProperties": False},
+}
+ASK = {"nested": "Describe Paris as JSON with its coordinates.",
+       "enum": "Pick a colour and say whether it is bright, as JSON.",
+       "array": "List a few prime numbers as JSON.",
+       "pattern": "Invent a person with a name, a product code and an age, as JSON."}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess().wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _schema_format(name: str) -> dict:
+    return {"type": "json_schema",
+            "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+async def _chat(aclient, name: str, sampled: bool, stream: bool) -> tuple[str, str]:
+    args = dict(model=MODEL, messages=[{"role": "user", "content": ASK[name]}],
+                max_tokens=120, response_format=_schema_format(name),
+                temperature=0.8 if sampled else 0, seed=7)
+    if not stream:
+        r = await aclient.chat.completions.create(**args)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = [], None
+    async for chunk in await aclient.chat.completions.create(**args, stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(text), reason
+
+
+async def _free(aclient, prompt: str) -> str:
+    r = await aclient.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                         max_tokens=16, extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+def test_sixteen_at_once_schemas_hold_and_free_requests_keep_their_tokens(
+        server, tokenizer, reference):
+    """8 constrained (4 schemas x greedy/sampled, half streamed) beside 8 free greedy
+    requests in the same steps: every answer validates; the free ones are the reference's."""
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none",
+                                     max_retries=0, timeout=600)
+        constrained = [_chat(aclient, name, sampled, stream=sampled != (i % 2 == 0))
+                       for i, name in enumerate(SCHEMAS) for sampled in (False, True)]
+        free = [_free(aclient, RAW[i % len(RAW)]) for i in range(8)]
+        return await asyncio.gather(asyncio.gather(*constrained), asyncio.gather(*free))
+
+    answers, texts = asyncio.run(run())
+    names = [name for name in SCHEMAS for _ in (False, True)]
+    for name, (text, reason) in zip(names, answers, strict=True):
+        assert reason == "stop", (name, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(RAW[i % len(RAW)])
+        assert text == tokenizer.hf.decode(reference.greedy(ids, 16), skip_special_tokens=True)
+
+
+def test_json_object_on_completions(client):
+    r = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:",
+                                  max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:  # the budget ran out inside a string: still a JSON object's beginning
+        assert r.choices[0].text.startswith("{")
+    text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
+                                     extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].text
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_guided_regex_choice_and_grammar(client, seed):
+    regex = client.completions.create(
+        model=MODEL, prompt="My phone number is", max_tokens=20, temperature=1.0, seed=seed,
+        extra_body={"guided_regex": r"\+44 [0-9]{4} [0-9]{6}"})
+    assert re.fullmatch(r"\+44 [0-9]{4} [0-9]{6}", regex.choices[0].text)
+    assert regex.choices[0].finish_reason == "stop"
+    choice = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=10, temperature=1.0, seed=seed,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert choice.choices[0].message.content in ("yes", "no", "maybe")
+    gbnf = 'root ::= answer " because " reason "."\nanswer ::= "yes" | "no"\n' \
+           'reason ::= [a-z ]{1,30}'
+    grammar = client.completions.create(
+        model=MODEL, prompt="Do cats fly?", max_tokens=40, temperature=1.0, seed=seed,
+        extra_body={"structured_outputs": {"grammar": gbnf}})
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,30}\.", grammar.choices[0].text)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"guided_regex": "a("}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {"required": ["a"]}}}}},
+     "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+])
+def test_constraints_the_engine_cannot_honour_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+# ---- tool calling through the official client ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def _checked(calls) -> list[tuple[str, dict]]:
+    out = []
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+        assert call.id and call.type == "function"
+        out.append((call.function.name, arguments))
+    return out
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice):
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=choice,
+                temperature=0, max_tokens=80, parallel_tool_calls=False)
+    r = client.chat.completions.create(**args)
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = _checked(r.choices[0].message.tool_calls)
+    assert len(calls) == 1
+    if isinstance(choice, dict):
+        assert calls[0][0] == "get_time"
+    # Streamed: the deltas, assembled by index as the client's users do, give the same call.
+    assembled: dict[int, dict] = {}
+    reason = None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        for d in delta.tool_calls or []:
+            entry = assembled.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls"
+    assert [(e["name"], json.loads(e["arguments"])) for e in assembled.values()] == calls
+
+
+def test_two_turns_call_result_answer(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+        temperature=0, max_tokens=60)
+    message = first.choices[0].message
+    (name, arguments), = _checked(message.tool_calls)
+    followup = [*ASK_WEATHER, message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                 "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
+    answer = client.chat.completions.create(model=MODEL, messages=followup, tools=[WEATHER],
+                                            temperature=0, max_tokens=40)
+    final = answer.choices[0]
+    # With tool_choice auto the model may answer or call again; either is well-formed.
+    assert final.message.content or _checked(final.message.tool_calls)
+    assert final.finish_reason in ("stop", "length", "tool_calls")
+    print(f"\n  call {name}({arguments}) -> answer {final.message.content!r}")
+
+
+def test_tool_fields_that_do_not_fit_are_400(client):
+    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": {
+                             "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                         ({"functions": [WEATHER["function"]]}, "functions")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5,
+                                           extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
