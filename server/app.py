@@ -17,14 +17,19 @@ from server.auth import auth_middleware
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
-from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
-from surge import metrics
+from surge import __version__, metrics
 from surge.config import ServerConfig
-from surge.keys import KeyStore
+from surge.keys import Keys
 
 log = logging.getLogger("surge.frontend")
 _json = msgspec.json.Encoder()
@@ -32,8 +37,9 @@ _json = msgspec.json.Encoder()
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
-                 max_model_len: int, cfg: ServerConfig) -> None:
+                 max_model_len: int, cfg: ServerConfig, root: str) -> None:
         self.cfg = cfg
+        self.root = root  # the model's path, shown by /v1/models as vLLM does
         self.tokenizer = tokenizer
         self.engine = engine
         self.translator = RequestTranslator(tokenizer, engine, model_name, max_model_len,
@@ -143,7 +149,23 @@ class Frontend:
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{
             "id": self.translator.model_name, "object": "model", "created": self.created,
-            "owned_by": "surge", "max_model_len": self.translator.max_model_len}]})
+            "owned_by": "surge", "root": self.root, "parent": None,
+            "max_model_len": self.translator.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids a prompt or a chat would be served with."""
+        body = self.translator.decode_body(await self.read_body(request), TokenizeRequest)
+        ids = await self.translator.tokenize(body)
+        strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return self._json({"count": len(ids), "max_model_len": self.translator.max_model_len,
+                           "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = self.translator.decode_body(await self.read_body(request), DetokenizeRequest)
+        return self._json({"prompt": self.translator.detokenize(body)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return self._json({"version": __version__})
 
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
@@ -263,7 +285,7 @@ def _work_middleware(frontend: Frontend) -> Any:
 
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
-    keys = KeyStore(frontend.cfg.api_keys_file) if frontend.cfg.api_keys_file else None
+    keys = Keys.of(frontend.cfg.api_key, frontend.cfg.api_keys_file)
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys),
                                        _work_middleware(frontend)],
                           client_max_size=max_body_bytes)
@@ -271,6 +293,9 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
     app.router.add_get("/stats", frontend.stats)
+    app.router.add_get("/version", frontend.version)
+    app.router.add_post("/tokenize", frontend.tokenize)
+    app.router.add_post("/detokenize", frontend.detokenize)
     app.router.add_get("/metrics", frontend.prometheus)
     app.router.add_post("/v1/completions", frontend.completions)
     app.router.add_post("/v1/chat/completions", frontend.chat_completions)

@@ -1,5 +1,5 @@
-"""API keys: with a keys file, every /v1/ request must carry a valid key, which names its
-tenant; without one, every request belongs to the default tenant."""
+"""API keys: with --api-key or a keys file, every /v1/ request must carry a valid key, which
+names its tenant; without either, every request belongs to the default tenant."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from server.errors import ApiError
-from surge.keys import KeyStore
+from surge.keys import Keys
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def auth_middleware(keys: KeyStore | None) -> Callable[[web.Request, Handler],
+def auth_middleware(keys: Keys | None) -> Callable[[web.Request, Handler],
                                                        Awaitable[web.StreamResponse]]:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

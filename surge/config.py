@@ -18,6 +18,11 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Meta(description="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, "
              "or a Hugging Face folder with config.json and *.safetensors"),
     ] = "default"
+    tokenizer: Annotated[
+        str | None, Meta(description="take the tokenizer and chat template from here instead "
+                         "of the model: 'default', a .gguf file, or a folder of Hugging Face "
+                         "tokenizer files (same vocabulary as the model)")
+    ] = None
     served_model_name: Annotated[
         str | None, Meta(description="model id shown by /v1/models (default: from the file)")
     ] = None
@@ -81,6 +86,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
                   "window)")
     ] = 0
+    api_key: Annotated[
+        str | None, Meta(description="one API key every /v1/ request must carry (tenant "
+                         "'default'), as vLLM's --api-key; works beside --api-keys-file")
+    ] = None
     api_keys_file: Annotated[
         str | None, Meta(description="JSON file of API keys (salted hashes) and their tenants, "
                          "managed with `surge admin keys`; unset: no keys, one tenant")

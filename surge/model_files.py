@@ -47,6 +47,19 @@ def resolve_model(model: str) -> ModelFiles:
     )
 
 
+def resolve_tokenizer(path: str) -> ModelFiles:
+    """What --tokenizer names: like --model, or a folder of tokenizer files alone."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, name)) for name in
+                                     ("tokenizer.json", "tokenizer_config.json")):
+        return ModelFiles(folder, None)
+    try:
+        return resolve_model(path)
+    except ModelError:
+        raise ModelError(f"--tokenizer {path!r} is neither a .gguf file nor a folder with "
+                         "tokenizer.json or tokenizer_config.json") from None
+
+
 def gguf_metadata(path: str) -> dict[str, Any]:
     """The GGUF key/value header as plain Python values (the tokenizer arrays are skipped)."""
     import gguf
