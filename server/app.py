@@ -49,6 +49,7 @@ class Frontend:
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
         self.sockets = OpenSockets()
+        metrics.frontend_series(model_name)
 
     # ---- endpoints ----
 
@@ -86,7 +87,8 @@ class Frontend:
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))
                    if not isinstance(stream, BaseException)]
-        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant)
+        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
+                       self.translator.model_name, len(streams))
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
@@ -173,7 +175,7 @@ class Frontend:
         return self._json({} if stats is None else msgspec.to_builtins(stats))
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        body, content_type = metrics.exposition()
+        body, content_type = metrics.exposition(self.cfg.metrics_compat)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -221,9 +223,10 @@ class Frontend:
         return web.Response(body=_json.encode(payload), content_type="application/json")
 
 
-async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str
-                  ) -> AsyncIterator[Piece]:
-    """One log line per finished request: id, outcome, token counts, timings (no text)."""
+async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
+                  model: str, choices: int) -> AsyncIterator[Piece]:
+    """One log line per finished request: id, outcome, token counts, timings (no text); its
+    metrics, a cancelled or failed request's too."""
     started = time.monotonic()
     first: float | None = None
     last = started
@@ -236,22 +239,26 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
                 now = time.monotonic()
                 if first is None:
                     first = now
-                    metrics.ttft.observe(now - started)
+                    metrics.ttft.labels(model).observe(now - started)
                 else:
-                    metrics.itl.observe(now - last)
+                    metrics.itl.labels(model).observe(now - last)
                 last = now
                 generated += piece.num_tokens
                 if piece.finish_reason:
                     reasons.append(piece.finish_reason)
                 yield piece
         outcome = "ok"
-        metrics.e2e.observe(time.monotonic() - started)
-        metrics.prompt_tokens.inc(prompt_tokens)
-        metrics.generated_tokens.inc(generated)
+        metrics.e2e.labels(model).observe(time.monotonic() - started)
     except ApiError as e:
         outcome = f"error {e.status}"
         raise
     finally:
+        metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+        for reason in reasons:
+            metrics.request_success.labels(model, reason).inc()
+        # Choices that did not finish: the client left (or cancelled), or an error ended them.
+        unfinished = "error" if outcome.startswith("error") else "abort"
+        metrics.request_success.labels(model, unfinished).inc(choices - len(reasons))
         log.info("request %s", outcome, extra={
             "request_id": rid, "tenant": tenant, "finish_reason": ",".join(reasons) or None,
             "prompt_tokens": prompt_tokens, "completion_tokens": generated,

@@ -14,7 +14,7 @@ from server.app import Frontend, build_app
 from server.engine_client import EngineClient
 from server.tokenizer import Tokenizer
 from surge.config import SurgeConfig
-from surge.model_files import default_name, max_model_len, resolve_model, resolve_tokenizer
+from surge.model_files import max_model_len, resolve_model, resolve_tokenizer, served_name
 from surge.process import child_setup
 from surge.runtime import Channels
 
@@ -32,7 +32,8 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,
                             "the scheduler stopped unexpectedly; retry the request")
-    frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
+    frontend = Frontend(tokenizer, engine, served_name(cfg.model.served_model_name,
+                                                       cfg.model.model),
                         max_model_len(files), cfg.server, root=files.path)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
     runner = web.AppRunner(build_app(frontend), handler_cancellation=True,

@@ -90,7 +90,7 @@ def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and set(sample.labels) == {"le"}:
+            if sample.name.endswith("_bucket") and set(sample.labels) <= {"le", "model_name"}:
                 out.setdefault(family.name, []).append((float(sample.labels["le"]),
                                                         sample.value))
     return out

@@ -72,6 +72,11 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["debug", "info", "warning", "error"], Meta(description="log verbosity")
     ] = "info"
     log_json: Annotated[bool, Meta(description="write logs as JSON lines")] = False
+    metrics_compat: Annotated[
+        Literal["none", "vllm"], Meta(description="vllm: /metrics also exports the mapped "
+                                      "series under vLLM's names (vllm:num_requests_running, "
+                                      "...), so dashboards built for vLLM work unchanged")
+    ] = "none"
     max_body_bytes: Annotated[
         int, Meta(ge=1024, description="largest request body; larger ones get 413")
     ] = 4 * 2**20

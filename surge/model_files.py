@@ -84,6 +84,11 @@ def default_name(files: ModelFiles) -> str:
     return os.path.basename(files.folder.rstrip("/"))
 
 
+def served_name(served_model_name: str | None, model: str) -> str:
+    """The model id clients name: --served-model-name, else from the model's file name."""
+    return served_model_name or default_name(resolve_model(model))
+
+
 def max_model_len(files: ModelFiles) -> int:
     if files.gguf_file:
         meta = gguf_metadata(files.path)
