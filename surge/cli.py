@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("a draft model runs with one rank only: drop --draft-model "
                                   "and --draft-layers (n-gram speculation works with any "
                                   "--tensor-parallel-size)")
+            from surge.preflight import preflight
+
+            preflight(cfg)
         except ConfigError as e:
             print(f"surge: {e}", file=sys.stderr)
             return 2
