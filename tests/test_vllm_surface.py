@@ -1,5 +1,6 @@
 """What scripts written for vLLM call first: /tokenize, /detokenize, /version, the model's root
-in /v1/models, --api-key and --tokenizer, against the real server."""
+in /v1/models, --api-key and --tokenizer; and --log-json output that is JSON lines only,
+against the real server."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def server(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("tokenizer")
     tokenizer.hf.save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(TEMPLATE)
-    srv = ServerProcess("--api-key", KEY, "--tokenizer", str(folder)).wait_ready()
+    srv = ServerProcess("--api-key", KEY, "--tokenizer", str(folder), "--log-json").wait_ready()
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -100,3 +101,15 @@ def test_single_api_key(server):
     answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The sky is",
                                        max_tokens=3, temperature=0)
     assert answer.usage.completion_tokens == 3
+
+
+def test_json_log_is_json_lines_only(server):
+    """Last in this file: it stops the server to read everything it wrote."""
+    _call(server, "/v1/models", key=None)  # a 401, logged too
+    assert server.stop() == 0
+    records = [json.loads(line) for line in server.output().splitlines()]
+    ready = [r for r in records if r.get("event") == "ready"]
+    assert len(ready) == 1 and ready[0]["url"] == server.url
+    assert ready[0]["msg"].startswith("surge ready on") and ready[0]["level"] == "info"
+    assert {"supervisor", "frontend"} <= {r["process"] for r in records}
+    assert any(r["logger"] == "surge.access" and r.get("status") == 401 for r in records)
