@@ -24,14 +24,21 @@ def _parser() -> argparse.ArgumentParser:
                     "whole if any is invalid); stats: a summary; reload: re-read the config "
                     "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM); "
                     "keys add TENANT [--key KEY] | keys remove ID | keys list: the API keys "
-                    "(applied by the server without a restart)")
-    admin.add_argument("action", choices=["get", "set", "stats", "reload", "drain", "keys"])
+                    "(applied by the server without a restart); top: a live view, refreshed "
+                    "every second")
+    admin.add_argument("action", choices=["get", "set", "stats", "top", "reload", "drain",
+                                          "keys"])
     admin.add_argument("values", nargs="*", metavar="ARG",
                        help="set: KEY=VALUE pairs; keys: add TENANT, remove ID or list")
     admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
     admin.add_argument("--runtime-dir", default=None, help="the server's runtime dir")
     admin.add_argument("--persist", action="store_true",
-                       help="with set: also write the values into the server's config file")
+                       help="with set: also write the values into the server's config file "
+                            "(refused before anything is applied if it has none)")
+    admin.add_argument("--json", action="store_true",
+                       help="with get and set: the reply as JSON, for scripts")
+    admin.add_argument("--iterations", type=int, default=None, metavar="N",
+                       help="with top: stop after N refreshes (default: until Ctrl-C)")
     admin.add_argument("--keys-file", default=None,
                        help="with keys: this file instead of the running server's")
     admin.add_argument("--key", default=None,
