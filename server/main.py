@@ -14,7 +14,7 @@ from server.app import Frontend, build_app
 from server.engine_client import EngineClient
 from server.tokenizer import Tokenizer
 from surge.config import SurgeConfig
-from surge.model_files import max_model_len, resolve_model, resolve_tokenizer, served_name
+from surge.model_files import max_model_len, resolve_model, served_name, tokenizer_files
 from surge.process import child_setup
 from surge.runtime import Channels
 
@@ -26,8 +26,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     files = resolve_model(cfg.model.model)
-    tokenizer = Tokenizer(resolve_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer
-                          else files)
+    tokenizer = Tokenizer(tokenizer_files(cfg.model.model, cfg.model.tokenizer))
     engine = EngineClient(channels)
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,

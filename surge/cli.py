@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     admin.add_argument("--key", default=None,
                        help="with keys add: store this key (16+ characters; -: read it from stdin) "
                             "instead of a new one")
+    export = commands.add_parser(
+        "export-tokenizer", help="write the served tokenizer as a Hugging Face folder",
+        description="Writes tokenizer.json, tokenizer_config.json and the chat template of "
+                    "--model (or --tokenizer) into DIR, for clients that count tokens "
+                    "themselves (guidellm, genai-perf, vllm bench serve: --tokenizer DIR).")
+    export.add_argument("folder", metavar="DIR")
+    export.add_argument("--model", default="default", help="as for serve (default: default)")
+    export.add_argument("--tokenizer", default=None, help="as for serve")
     bench = commands.add_parser(
         "bench", help="load an OpenAI-compatible server and report latency and throughput",
         description="Streams every request; reports TTFT, inter-token latency, TPOT and "
@@ -78,6 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         from surge.supervisor import serve
 
         return serve(cfg, vars(args))
+    if args.command == "export-tokenizer":
+        from surge.model_files import ModelError, tokenizer_files
+
+        try:
+            files = tokenizer_files(args.model, args.tokenizer)
+        except ModelError as e:
+            print(f"surge: {e}", file=sys.stderr)
+            return 2
+        from server.tokenizer import Tokenizer
+
+        for path in Tokenizer(files).hf.save_pretrained(args.folder):
+            print(path)
+        return 0
     if args.command == "bench":
         from surge.bench import run_bench
 

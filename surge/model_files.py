@@ -91,6 +91,11 @@ def resolve_tokenizer(path: str) -> ModelFiles:
                          "tokenizer.json or tokenizer_config.json") from None
 
 
+def tokenizer_files(model: str, tokenizer: str | None) -> ModelFiles:
+    """Where the served tokenizer comes from: --tokenizer, else the model."""
+    return resolve_tokenizer(tokenizer) if tokenizer else resolve_model(model)
+
+
 def gguf_metadata(path: str) -> dict[str, Any]:
     """The GGUF key/value header as plain Python values (the tokenizer arrays are skipped)."""
     import gguf

@@ -1,10 +1,13 @@
 """What scripts written for vLLM call first: /tokenize, /detokenize, /version, the model's root
-in /v1/models, --api-key and --tokenizer; and --log-json output that is JSON lines only,
-against the real server."""
+in /v1/models, --api-key, --tokenizer and `surge export-tokenizer`; and --log-json output that
+is JSON lines only, against the real server."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -22,9 +25,35 @@ TEMPLATE = ("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer):
+def exported(tmp_path_factory):
+    """`surge export-tokenizer DIR`: the bundled model's tokenizer as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("exported")
+    out = subprocess.run([sys.executable, "-m", "surge.cli", "export-tokenizer", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    return folder
+
+
+def test_exported_tokenizer_counts_as_surge_does(exported, tokenizer):
+    """What guidellm or `vllm bench serve --tokenizer DIR` load: the same ids, the same chat
+    text, the same end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(exported)
+    for text in ["Hello world, again", "北京 🐱 naïve café", "  spaces\n\ttabs"]:
+        assert theirs(text, add_special_tokens=False).input_ids == tokenizer.encode(text)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        tokenizer.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert theirs.eos_token_id == tokenizer.hf.eos_token_id == 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, exported):
     folder = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.hf.save_pretrained(folder)
+    for path in exported.iterdir():
+        shutil.copy(path, folder)
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     srv = ServerProcess("--api-key", KEY, "--tokenizer", str(folder), "--log-json").wait_ready()
     yield srv
