@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,9 @@ import platform
 import random
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -137,8 +140,6 @@ def _live_parameters(url: str) -> dict | None:
 def engine_stats(url: str, after: float | None = None) -> dict | None:
     """A surge server's running totals (/stats), fresher than `after` if given; None from
     other servers."""
-    import time
-
     deadline = time.monotonic() + 5
     while True:
         try:
@@ -159,7 +160,10 @@ def _server_share(before: dict, after: dict) -> dict:
     compute = after["worker_compute_s"] - before["worker_compute_s"]
     return {"seconds": span, "steps": after["steps"] - before["steps"],
             "forward_share": forward / span, "step_outside_forward_share": (compute - forward)
-            / span, "outside_steps_share": 1 - compute / span}
+            / span,
+            # Steps planned ahead overlap, so their compute can add up to a little more than
+            # the span: then nothing was spent outside them.
+            "outside_steps_share": max(0.0, 1 - compute / span)}
 
 
 def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
@@ -182,15 +186,15 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
     before = engine_stats(opts.url)
-    with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
+    with progress(len(bodies), label, opts.no_progress) as done:
         if kind == "rate" or opts.workload == "trace":
             if opts.workload != "trace":
                 arrivals = poisson(rng, bodies, level)
             results, wall = asyncio.run(open_loop(opts.url, arrivals, headers, opts.duration,
-                                                  done=bar.update))
+                                                  done=done))
         else:
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
-                                                    opts.duration, done=bar.update))
+                                                    opts.duration, done=done))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
     after = engine_stats(opts.url, after=before["time"] + wall) if before else None
     if before and after:
@@ -198,18 +202,41 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
     return result
 
 
+@contextlib.contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[], None]]:
+    """A callback per finished request: a bar on a terminal; into a file or a pipe, a plain
+    line at each tenth of the way (a bar's redraws would fill a log)."""
+    if quiet:
+        yield lambda: None
+    elif sys.stdout.isatty():
+        with tqdm(total=total, desc=label, unit="req") as bar:
+            yield bar.update
+    else:
+        count = [0]
+
+        def done() -> None:
+            count[0] += 1
+            if count[0] * 10 // total > (count[0] - 1) * 10 // total:
+                print(f"{label}: {count[0]}/{total} requests", flush=True)
+
+        yield done
+
+
 def _row(result: dict) -> str:
+    """One line of at most 100 columns per load level (p50/p95 of TTFT and TPOT)."""
     kind = "rate" if "rate" in result else "concurrency"
-    errors = sum(result["errors"].values())
-    return (f"{kind} {result[kind]:>6g}  {result['output_tok_s']:8.1f} tok/s  "
-            f"{result['requests_per_s']:6.2f} req/s  TTFT p50 {result['ttft_ms']['p50']:7.1f} "
-            f"p95 {result['ttft_ms']['p95']:7.1f} ms  TPOT p50 {result['tpot_ms']['p50']:6.1f} "
-            f"p95 {result['tpot_ms']['p95']:6.1f} ms  goodput {result['goodput']['share']:.0%}"
-            f"  errors {errors}")
+    ttft, tpot = result["ttft_ms"], result["tpot_ms"]
+    level = f"{kind} {result[kind]:g}"
+    good = f" good {result['goodput']['share']:.0%}" if result["goodput"] else ""
+    return (f"{level:<15}{result['output_tok_s']:8.1f} tok/s {result['requests_per_s']:6.2f} "
+            f"req/s  TTFT {ttft['p50']:.0f}/{ttft['p95']:.0f}ms  "
+            f"TPOT {tpot['p50']:.1f}/{tpot['p95']:.1f}ms{good} "
+            f"err {sum(result['errors'].values())}")
 
 
-def plot(results: list[dict], path: str) -> None:
-    """Throughput against TTFT p95 and TPOT p95 across the sweep."""
+def plot(results: list[dict], path: str, model: str) -> None:
+    """Throughput against TTFT p95 and TPOT p95 across the sweep, each point labelled with
+    its load level."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,8 +254,10 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
-    fig.suptitle("surge bench: " + ("rate" if "rate" in results[0] else "concurrency") +
-                 " sweep")
+    kind = "rate" if "rate" in results[0] else "concurrency"
+    what = "requests/s offered (open loop)" if kind == "rate" else "concurrent clients"
+    fig.suptitle(f"surge bench: {model}, {time.strftime('%Y-%m-%d %H:%M')}; "
+                 f"points labelled with {what}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -278,7 +307,10 @@ def run_bench(opts: argparse.Namespace) -> int:
     for kind, level in _levels(opts):
         results.append(run_level(opts, kind, level, headers))
         print(_row(results[-1]), flush=True)
-    report = {"environment": fingerprint(opts.url, headers),
+        for status, body in results[-1]["first_errors"].items():
+            print(f"  first {status} error: {body}", flush=True)
+    environment = fingerprint(opts.url, headers)
+    report = {"environment": environment,
               "workload": {k: v for k, v in vars(opts).items()
                            if k not in ("api_key", "output", "plot", "no_progress")},
               "results": results}
@@ -286,5 +318,7 @@ def run_bench(opts: argparse.Namespace) -> int:
         with open(opts.output, "w") as f:
             json.dump(report, f, indent=2)
     if opts.plot:
-        plot(results, opts.plot)
+        models = environment["server_models"]
+        served = models[0].get("id") if isinstance(models, list) and models else None
+        plot(results, opts.plot, opts.model or served or opts.url)
     return 0 if all(r["ok"] for r in results) else 1

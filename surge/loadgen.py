@@ -129,7 +129,8 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
 
 def summarize(results: list[Result], wall: float, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None) -> dict:
-    """Latency percentiles (ms), throughput, errors by status, and goodput under the SLO."""
+    """Latency percentiles (ms), throughput, errors by status (and the first body of each),
+    and goodput under the SLO when one is given."""
     ok = [r for r in results if r.error is None]
     tpots = [t for r in ok if (t := r.tpot) is not None]
 
@@ -139,17 +140,24 @@ def summarize(results: list[Result], wall: float, slo_ttft_ms: float | None = No
             (slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms)
 
     good = sum(1 for r in ok if meets(r))
+    first_errors: dict[str, str] = {}
+    for r in results:
+        if r.error is not None:
+            first_errors.setdefault(str(r.status), r.error)
+    has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     return {
         "requests": len(results), "ok": len(ok),
         "errors": dict(Counter(str(r.status) for r in results if r.error is not None)),
+        "first_errors": first_errors,  # the first body of each status, to tell why
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "tpot_ms": percentiles(tpots),
         "e2e_ms": percentiles([r.latency for r in ok]),
         "output_tok_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
+        # Only against an SLO: without one every request would count as good.
         "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
                     "share": good / len(results) if results else 0.0,
-                    "requests_per_s": good / wall if wall else 0.0},
+                    "requests_per_s": good / wall if wall else 0.0} if has_slo else None,
         "wall_s": wall,
     }
