@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from surge.bench_text import ENDPOINTS, convert
 from surge.loadgen import closed_loop, open_loop, summarize
 
 # Random prompt tokens are drawn from here: inside the vocabulary of any Llama-family model,
@@ -172,29 +173,34 @@ def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
     return [("concurrency", c) for c in opts.concurrency or [1]]
 
 
-def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) -> dict:
+def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict,
+              tokenizer: Any | None) -> dict:
+    """One load level; tokenizer: send prompts as text checked with it (None: token ids)."""
     rng = random.Random(opts.seed)
+    times: list[float] = []
     if opts.workload == "trace":
         arrivals = trace_workload(opts.trace, rng)[: opts.num_requests]
-        bodies = [b for _, b in arrivals]
+        times, bodies = [a for a, _ in arrivals], [b for _, b in arrivals]
     elif opts.workload == "chat":
         bodies = chat_workload(rng, opts.num_requests)
     else:
         bodies = fixed_workload(rng, opts.num_requests, opts.input_len, opts.output_len,
                                 opts.shared_prefix_len)
+    bodies = convert(bodies, tokenizer, opts.endpoint)
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
+    path = ENDPOINTS[opts.endpoint]
     before = engine_stats(opts.url)
     with progress(len(bodies), label, opts.no_progress) as done:
         if kind == "rate" or opts.workload == "trace":
-            if opts.workload != "trace":
-                arrivals = poisson(rng, bodies, level)
+            arrivals = list(zip(times, bodies, strict=True)) if times else \
+                poisson(rng, bodies, level)
             results, wall = asyncio.run(open_loop(opts.url, arrivals, headers, opts.duration,
-                                                  done=done))
+                                                  done=done, path=path))
         else:
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
-                                                    opts.duration, done=done))
+                                                    opts.duration, done=done, path=path))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
     after = engine_stats(opts.url, after=before["time"] + wall) if before else None
     if before and after:
@@ -272,6 +278,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="closed loop with N clients (several values: a sweep); default 1")
     load.add_argument("--rate", type=float, nargs="+", metavar="R",
                       help="open loop, Poisson arrivals at R requests/s (several: a sweep)")
+    parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                        help="/v1/completions, or /v1/chat/completions with the prompt as one "
+                             "user message (its length before the chat template)")
+    parser.add_argument("--prompt-format", choices=["text", "tokens"], default=None,
+                        help="random token ids, or text of exactly that many tokens by "
+                             "--tokenizer (default: tokens against surge, text otherwise)")
+    parser.add_argument("--tokenizer", default="default",
+                        help="for text prompts: the served model's tokenizer, a .gguf, a "
+                             "Hugging Face folder (e.g. from surge export-tokenizer) or "
+                             "'default' (the bundled model's)")
     parser.add_argument("--workload", choices=["fixed", "chat", "trace"], default="fixed")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -303,9 +319,25 @@ def run_bench(opts: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"surge bench: cannot reach {opts.url}/v1/models: {e}", file=sys.stderr)
         return 1
+    if opts.prompt_format is None:
+        opts.prompt_format = "tokens" if engine_stats(opts.url) is not None else "text"
+    if opts.endpoint == "chat" and opts.prompt_format == "tokens":
+        print("surge bench: --endpoint chat sends text: use --prompt-format text",
+              file=sys.stderr)
+        return 2
+    tokenizer = None
+    if opts.prompt_format == "text":
+        from server.tokenizer import Tokenizer
+        from surge.model_files import ModelError, resolve_tokenizer
+
+        try:
+            tokenizer = Tokenizer(resolve_tokenizer(opts.tokenizer))
+        except ModelError as e:
+            print(f"surge bench: {e}", file=sys.stderr)
+            return 2
     results = []
     for kind, level in _levels(opts):
-        results.append(run_level(opts, kind, level, headers))
+        results.append(run_level(opts, kind, level, headers, tokenizer))
         print(_row(results[-1]), flush=True)
         for status, body in results[-1]["first_errors"].items():
             print(f"  first {status} error: {body}", flush=True)

@@ -130,9 +130,26 @@ def fake_server():
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def chat(request: web.Request) -> web.StreamResponse:
+        """As OpenAI streams a chat: the role at once, the content after TTFT_S."""
+        body = await request.json()
+        seen.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        opening = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+        await response.write(f"data: {json.dumps(opening)}\n\n".encode())
+        await asyncio.sleep(TTFT_S)
+        for i in range(body["max_tokens"]):
+            if i:
+                await asyncio.sleep(TPOT_S)
+            await response.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
@@ -151,6 +168,7 @@ def test_bench_sweep_writes_json_and_plot(fake_server, tmp_path):
     out, png = tmp_path / "result.json", tmp_path / "sweep.png"
     code = main(["bench", "--url", url, "--concurrency", "1", "4", "--num-requests", "8",
                  "--input-len", "5", "--output-len", "6", "--slo-ttft", "1000",
+                 "--prompt-format", "tokens",
                  "--output", str(out), "--plot", str(png), "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
@@ -177,7 +195,7 @@ def test_bench_open_loop_trace_and_errors(fake_server, tmp_path, capsys):
                                for i in range(6)))
     out = tmp_path / "r.json"
     assert main(["bench", "--url", url, "--workload", "trace", "--trace", str(trace),
-                 "--output", str(out), "--no-progress"]) == 0
+                 "--output", str(out), "--no-progress", "--prompt-format", "tokens"]) == 0
     result = json.loads(out.read_text())["results"][0]
     assert result["requests"] == 6 and result["errors"] == {"429": 1}
     assert result["first_errors"] == {"429": '{"error": {"message": "busy"}}'}
@@ -186,9 +204,30 @@ def test_bench_open_loop_trace_and_errors(fake_server, tmp_path, capsys):
     assert "  first 429 error: {\"error\": {\"message\": \"busy\"}}" in printed
     # Without --no-progress and not on a terminal: plain progress lines, no bar.
     assert main(["bench", "--url", url, "--rate", "50", "--num-requests", "10",
-                 "--output-len", "3", "--slo-ttft", "1000"]) == 0
+                 "--output-len", "3", "--slo-ttft", "1000", "--prompt-format", "tokens"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2] == "rate 50: 10/10 requests" and "\r" not in "".join(lines)
     assert lines[-1].startswith("rate 50 ") and "good 100%" in lines[-1]
     assert len(lines[-1]) <= 100, lines[-1]
     assert main(["bench", "--url", "http://127.0.0.1:9", "--no-progress"]) == 1
+
+
+@pytest.mark.slow
+def test_bench_sends_text_to_other_servers_and_chats(fake_server, tokenizer, capsys):
+    url, seen = fake_server
+    # Not surge (no /stats): text prompts by default, of exactly --input-len tokens.
+    assert main(["bench", "--url", url, "--num-requests", "4", "--input-len", "37",
+                 "--output-len", "3", "--no-progress"]) == 0
+    prompts = [b["prompt"] for b in seen[-4:]]
+    assert all(isinstance(p, str) and len(tokenizer.encode(p)) == 37 for p in prompts)
+    assert len(set(prompts)) == 4
+    assert main(["bench", "--url", url, "--endpoint", "chat", "--num-requests", "4",
+                 "--input-len", "9", "--output-len", "5", "--no-progress"]) == 0
+    messages = [b["messages"] for b in seen[-4:]]
+    assert all(len(tokenizer.encode(m[0]["content"])) == 9 for m in messages)
+    row = capsys.readouterr().out.splitlines()[-1]
+    # TTFT is the first content, not the opening role chunk sent at once.
+    ttft_p50 = float(row.split("TTFT ")[1].split("/")[0])
+    assert ttft_p50 >= TTFT_S * 1000 - 5, row
+    assert main(["bench", "--url", url, "--endpoint", "chat", "--prompt-format", "tokens",
+                 "--no-progress"]) == 2
