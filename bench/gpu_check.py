@@ -149,10 +149,10 @@ def _kernel_line(row: dict) -> str:
 
 
 def implementations(triton: bool) -> dict[str, Callable]:
-    """Every checked kernel, Triton or reference, through the worker's own switch."""
-    kernels.use_triton(triton)
-    impls = {name: getattr(kernels, name) for name in KERNELS}
-    impls["decode_attention"] = planned_decode(kernels.plan_decode, kernels.decode_attention)
+    """Every checked kernel, Triton or reference, as the worker's kernels.for_device picks."""
+    ops = kernels.for_device(torch.device("cuda"), "triton" if triton else "reference")
+    impls = {name: getattr(ops, name) for name in KERNELS}
+    impls["decode_attention"] = planned_decode(ops.plan_decode, ops.decode_attention)
     return impls
 
 

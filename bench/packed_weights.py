@@ -37,10 +37,11 @@ def cpu_kind() -> str:
     return f"{name} ({', '.join(features) or 'no bf16 instructions'})"
 
 
-def decoding_engine(model: LlamaModel, batch: int, context: int) -> InProcessEngine:
+def decoding_engine(model: LlamaModel, batch: int, context: int,
+                    fixed_order: bool = False) -> InProcessEngine:
     """An engine with `batch` sequences past their prefill, ready for decode steps."""
     engine = InProcessEngine(model, num_blocks=2048, max_num_seqs=batch,
-                             max_num_batched_tokens=batch * context)
+                             max_num_batched_tokens=batch * context, fixed_order=fixed_order)
     for i in range(batch):
         engine.add(f"r{i}", [1000 + (i * 7 + j) % 5000 for j in range(context)], 10_000)
     for _ in range(2):
@@ -49,11 +50,9 @@ def decoding_engine(model: LlamaModel, batch: int, context: int) -> InProcessEng
     return engine
 
 
-def step_times(models: dict[str, LlamaModel], batch: int, context: int,
-               steps: int) -> dict[str, float]:
-    """Median decode step of each model, their steps interleaved."""
-    engines = {name: decoding_engine(m, batch, context) for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
+def step_times(engines: dict[str, InProcessEngine], steps: int) -> dict[str, float]:
+    """Median decode step of each engine (see decoding_engine), their steps interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, engine in engines.items():
             plan = engine.scheduler.schedule()
@@ -93,7 +92,8 @@ def main() -> int:
     models = {"plain": load(files, torch.bfloat16, False),
               "packed": load(files, torch.bfloat16, True)}
     for batch in (int(b) for b in opts.batches.split(",")):
-        t = step_times(models, batch, opts.context, opts.steps)
+        t = step_times({name: decoding_engine(m, batch, opts.context)
+                        for name, m in models.items()}, opts.steps)
         print(f"batch {batch:3d} at context ~{opts.context}: step plain {t['plain'] * 1e3:.1f} ms,"
               f" packed {t['packed'] * 1e3:.1f} ms (packed {t['plain'] / t['packed']:.2f}x)")
 

@@ -9,6 +9,7 @@ from torch import nn
 
 import kernels
 from gpu_workers.parallel import TensorParallel
+from kernels import Kernels
 
 
 class LlamaConfig(Struct, kw_only=True):
@@ -39,6 +40,8 @@ class AttentionMetadata(Struct, kw_only=True):
     prefill_query_start: torch.Tensor  # [num_prefill + 1], from 0 (offsets into the prefill part)
     prefill_context_lens: torch.Tensor  # [num_prefill]
     prefill_max_query_len: int
+    # --deterministic: every query attends in kernels.fixed_order_attention's fixed tiles.
+    fixed_order: bool = False
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -67,27 +70,49 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, decode: tuple | None,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """decode: kernels.plan_decode's plan for the decode rows (None without them)."""
+                meta: AttentionMetadata, decode: tuple | None, kv_cache: torch.Tensor,
+                ops: Kernels) -> torch.Tensor:
+        """decode: ops.plan_decode's plan for the decode rows (None without them)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         # Queries and keys are adjacent columns: rotate them in one pass.
         q, k, v = qkv.view(t, heads + 2 * kv_heads, d).split((heads, kv_heads, kv_heads), dim=1)
-        kernels.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
+        ops.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.fixed_order:
+            out = _fixed_order(q, k_cache, v_cache, meta, self.scale)
+            return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
         nd = meta.num_decode
         parts = []
         if nd:
-            parts.append(kernels.decode_attention(q[:nd], k_cache, v_cache, decode, self.scale))
+            parts.append(ops.decode_attention(q[:nd], k_cache, v_cache, decode, self.scale))
         if nd < t:
-            parts.append(kernels.prefill_attention(
+            parts.append(ops.prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                 meta.prefill_context_lens, meta.prefill_max_query_len, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
+
+
+def _fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's attention, decode rows and each prefill chunk, in the fixed-order kernel."""
+    nd = meta.num_decode
+    parts = []
+    if nd:
+        visible = meta.decode_context_lens[:, None]
+        parts.append(kernels.fixed_order_attention(
+            q[:nd, None], k_cache, v_cache, meta.decode_block_tables, visible, scale)[:, 0])
+    bounds = meta.prefill_query_start.tolist()
+    for i, ctx in enumerate(meta.prefill_context_lens.tolist()):
+        n = bounds[i + 1] - bounds[i]
+        visible = torch.arange(ctx - n + 1, ctx + 1, device=q.device)[None]
+        parts.append(kernels.fixed_order_attention(
+            q[nd + bounds[i]: nd + bounds[i + 1]][None], k_cache, v_cache,
+            meta.prefill_block_tables[i: i + 1], visible, scale)[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MLP(nn.Module):
@@ -116,13 +141,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                decode: tuple | None, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                decode: tuple | None, kv_cache: torch.Tensor, ops: Kernels
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, x = x, kernels.rms_norm(x, self.input_norm, self.eps)
+            residual, x = x, ops.rms_norm(x, self.input_norm, self.eps)
         else:
-            x, residual = kernels.add_rms_norm(x, residual, self.input_norm, self.eps)
-        x = self.attn(x, rope, meta, decode, kv_cache)
-        x, residual = kernels.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
+            x, residual = ops.add_rms_norm(x, residual, self.input_norm, self.eps)
+        x = self.attn(x, rope, meta, decode, kv_cache, ops)
+        x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         return self.mlp(x), residual
 
 
@@ -139,6 +165,8 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.rope = torch.empty(0)
+        # The kernel backend every layer runs on (the worker picks it: kernels.for_device).
+        self.ops = kernels.REFERENCE
 
     def init_rope(self) -> None:
         """Build the rotary table (float32, on the weights' device) once the weights are placed."""
@@ -154,12 +182,13 @@ class LlamaModel(nn.Module):
         residual = None
         rope = kernels.rotary_angles(positions, self.rope)
         # Every layer's decode attention reads the same blocks of its own cache: planned once.
-        decode = (kernels.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
+        ops = self.ops
+        decode = (ops.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches[0, 0], meta.decode_shared_blocks)
-                  if meta.num_decode else None)
+                  if meta.num_decode and not meta.fixed_order else None)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, meta, decode, kv_cache)
-        x, _ = kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+            x, residual = layer(x, residual, rope, meta, decode, kv_cache, ops)
+        x, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

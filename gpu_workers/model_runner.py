@@ -25,6 +25,7 @@ from surge.protocol import (
     StepResult,
     TokenLogprobs,
 )
+from surge.step_size import step_words
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -96,11 +97,13 @@ class Launched(Struct, kw_only=True):
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *, graphs_max_batch: int = 0,
-                 capture_graphs: bool = False, draft: LlamaModel | None = None) -> None:
+                 capture_graphs: bool = False, draft: LlamaModel | None = None,
+                 fixed_order: bool = False) -> None:
         """graphs_max_batch > 0: decode-only batches up to that size take the padded graph
         path (captured as CUDA graphs when capture_graphs). draft: speculative decoding's
-        draft model (see gpu_workers.draft)."""
+        draft model (see gpu_workers.draft). fixed_order: --deterministic attention."""
         self.model = model
+        self.fixed_order = fixed_order
         self.block_size = block_size
         self.device = device
         # One block past the scheduler's: where graph padding rows write.
@@ -150,7 +153,7 @@ class ModelRunner:
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         bs, stage = self.block_size, self.staging
-        slot = stage.begin()
+        slot = stage.begin(step_words(plan, sampling=self.model.tp.rank == 0))
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
         nd = int((lens == 1).sum())
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, len(seqs))
@@ -167,7 +170,7 @@ class ModelRunner:
         slots = all_tables[seq_of, positions // bs] * bs + positions % bs
         context = starts + lens
         shared = 0
-        if self.device.type == "cpu" and nd > 1:  # cascade attention is CPU-only
+        if self.device.type == "cpu" and nd > 1 and not self.fixed_order:  # CPU-only cascade
             # Blocks at the head of every decoding sequence's table (a shared prompt), full in
             # each, with at least one token of its own left after them.
             shared = min(len(os.path.commonprefix(tables[:nd])),
@@ -184,6 +187,7 @@ class ModelRunner:
             prefill_query_start=stage.add(np.concatenate([[0], np.cumsum(prefill_lens)])),
             prefill_context_lens=stage.add(context[nd:]),
             prefill_max_query_len=int(prefill_lens.max(initial=0)),
+            fixed_order=self.fixed_order,
         )
         # A sequence samples at its last token and, with proposals, before each proposed
         # token too (each such row verifies the token that follows it).

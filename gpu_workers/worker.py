@@ -30,6 +30,14 @@ from surge.protocol import PlanMessage, Shutdown, WorkerFailed, WorkerReady, enc
 from surge.runtime import Channels
 
 log = logging.getLogger("surge.worker")
+_TEST_CRASH_EXIT = 86
+
+
+def _test_crash_token() -> int | None:
+    """A test hook, for the crash-recovery tests only: with SURGE_TEST_CRASH_TOKEN=ID set, a
+    worker exits at once (code 86) on any step that feeds token ID. Unset, it does nothing."""
+    value = os.environ.get("SURGE_TEST_CRASH_TOKEN")
+    return int(value) if value else None
 
 
 def _cpu_has_bf16() -> bool:
@@ -66,7 +74,9 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
         runner, ready = _load(cfg, rank, f"{channels.runtime_dir}/tp-{generation}")
+        ready.generation = generation
         device = runner.device
+        crash_token = _test_crash_token()
         ring.skip_to_end()
         results.send(encode(ready))
         status.put((f"worker {rank}", ready.description))
@@ -96,6 +106,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
             msg = decoder.decode(ring.get())
             if isinstance(msg, Shutdown):
                 break
+            if crash_token is not None and any(crash_token in s.token_ids for s in msg.seqs):
+                os._exit(_TEST_CRASH_EXIT)  # the test hook: die as a crashing kernel would
             started = time.perf_counter()
             wait_s = started - idle_since if pending is None else 0.0
             # Step N+1's inputs are packed and sent while step N computes.
@@ -107,7 +119,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         pass
     except BaseException as e:
         log.error("worker failed:\n%s", traceback.format_exc())
-        results.send(encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        results.send(encode(WorkerFailed(rank, f"{type(e).__name__}: {e}",
+                                         generation=generation)))
         raise SystemExit(1) from e
     finally:
         ring.close()
@@ -140,23 +153,31 @@ def _load(cfg: SurgeConfig, rank: int, store: str) -> tuple[ModelRunner, WorkerR
         raise ValueError(f"kv_cache_memory={cfg.scheduler.kv_cache_memory} holds no KV block "
                          f"of {block_size} tokens; raise it")
     cuda = device.type == "cuda"
-    kernels.use_triton(cuda)
+    if cuda and cfg.model.deterministic:
+        # cuBLAS picks its reduction order by the batch's shape; only the CPU path is invariant.
+        raise ValueError("--deterministic runs on the CPU only; drop it or use --device cpu")
+    ops = kernels.for_device(device, cfg.model.kernel_backend)
+    model.ops = ops
+    if draft is not None:
+        draft.ops = ops
     graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
-                         graphs_max_batch=graphs, capture_graphs=cuda, draft=draft)
+                         graphs_max_batch=graphs, capture_graphs=cuda, draft=draft,
+                         fixed_order=cfg.model.deterministic)
     runner.warm_up()
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
     if cuda:
-        split += (f", Triton kernels, CUDA graphs for decode batches up to {graphs}" if graphs
-                  else ", Triton kernels, no CUDA graphs")
+        split += (f", CUDA graphs for decode batches up to {graphs}" if graphs
+                  else ", no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
+                   f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
-                   f"{torch.get_num_threads()} threads, loaded in "
+                   f"{torch.get_num_threads()} threads, {ops}, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
-                               description=description)
+                               description=description, kernels=str(ops))
 
 
 def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,

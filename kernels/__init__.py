@@ -1,44 +1,109 @@
-"""Compute kernels. Each has a plain-PyTorch reference (the CPU path and the test oracle) and a
-Triton implementation with the same signature beside it; `use_triton` picks one set for the
-whole process (the worker picks Triton on CUDA)."""
+"""Compute kernels. Each has a plain-PyTorch reference (any device; the test oracle), and beside
+it, with the same signature, a Triton implementation (CUDA; `*_triton.py`) and for some a C++
+one (CPU; `*_cpu.py` over kernels/cpu/). `for_device` picks one backend as a value, a Kernels
+bundle, which the worker chooses once and the model holds."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from kernels.attention import decode_attention, plan_decode, prefill_attention, store_kv
+import torch
+
+from kernels.attention import (
+    decode_attention,
+    fixed_order_attention,
+    plan_decode,
+    prefill_attention,
+    store_kv,
+)
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
 
-# name -> the module holding its reference; the Triton one is the same name + "_triton".
-_SWITCHED = {
-    "store_kv": "attention",
-    "plan_decode": "attention",
-    "decode_attention": "attention",
-    "prefill_attention": "attention",
-    "rms_norm": "rmsnorm",
-    "add_rms_norm": "rmsnorm",
-    "apply_rotary_": "rotary",
-}
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
-def use_triton(enabled: bool) -> None:
-    """Point every switched kernel name at its Triton implementation, or back at the reference.
-    Callers look the names up on this module (kernels.store_kv(...)) so they follow the switch."""
-    for name, module in _SWITCHED.items():
-        impl = importlib.import_module(f"kernels.{module}{'_triton' if enabled else ''}")
-        globals()[name] = getattr(impl, name)
+@dataclass(frozen=True)
+class Kernels:
+    """One backend's kernels, each with the reference's signature."""
+
+    name: str
+    reason: str  # why this backend was picked
+    store_kv: Callable
+    plan_decode: Callable
+    decode_attention: Callable
+    prefill_attention: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable
+    apply_rotary_: Callable
+
+    def __str__(self) -> str:
+        return f"{self.name} kernels ({self.reason})"
+
+
+# kernel -> the module holding its reference; a backend's is the same name + "_triton" or
+# "_cpu". The C++ backend has no store_kv or rotary of its own yet: those are the reference's.
+_MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
+            "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
+            "apply_rotary_": "rotary"}
+
+
+def backend(name: str, reason: str) -> Kernels:
+    """The named backend's bundle (reference, cpu or triton)."""
+    def find(kernel: str, module: str) -> Callable:
+        if name != "reference" and importlib.util.find_spec(f"kernels.{module}_{name}"):
+            own = importlib.import_module(f"kernels.{module}_{name}")
+            if hasattr(own, kernel):
+                return getattr(own, kernel)
+        return getattr(importlib.import_module(f"kernels.{module}"), kernel)
+
+    return Kernels(name, reason, **{k: find(k, m) for k, m in _MODULES.items()})
+
+
+REFERENCE = backend("reference", "the default before a worker picks")
+
+
+def for_device(device: torch.device, choice: str = "auto") -> Kernels:
+    """The backend for a device: choice is one of BACKENDS (--kernel-backend)."""
+    if choice not in BACKENDS:
+        raise ValueError(f"kernel backend {choice!r}: use one of {', '.join(BACKENDS)}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if choice == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError("the triton kernel backend needs CUDA (or TRITON_INTERPRET=1 to run it "
+                         "in Triton's slow interpreter); use --kernel-backend reference")
+    why = "--kernel-backend" if choice != "auto" else f"auto on {device.type}"
+    if choice == "cpu":
+        from kernels.cpu import extension
+
+        if device.type != "cpu":
+            raise ValueError("the cpu kernel backend runs on the CPU; use --kernel-backend auto")
+        if extension() is None:
+            raise ValueError("--kernel-backend cpu: the C++ kernels did not build (see the "
+                             "warning above); use --kernel-backend reference")
+        return backend("cpu", why)
+    # auto stays on the reference on the CPU until the C++ backend is measured faster per step.
+    if choice == "reference" or (choice == "auto" and device.type != "cuda"):
+        return backend("reference", why)
+    return backend("triton", why)
 
 
 __all__ = [
+    "BACKENDS",
+    "REFERENCE",
+    "Kernels",
     "add_rms_norm",
     "apply_rotary_",
+    "backend",
     "decode_attention",
+    "fixed_order_attention",
+    "for_device",
     "plan_decode",
     "prefill_attention",
     "rms_norm",
     "rotary_angles",
     "rotary_cache",
     "store_kv",
-    "use_triton",
 ]

@@ -143,3 +143,49 @@ def prefill_attention(
                                                enable_gqa=h != kvh)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+# --deterministic attention sums a query's keys in tiles of this many (rounded to whole blocks),
+# in order: the tile, not the batch or the chunk, fixes the order of every floating-point sum.
+FIXED_TILE = 64
+
+
+def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, visible: torch.Tensor, scale: float
+                          ) -> torch.Tensor:
+    """q [B, n, H, D]: n queries of each of B sequences; query j of sequence i sees its first
+    visible[i, j] keys. An online softmax in float32 over fixed tiles of keys, so a query's
+    result does not depend on what else is in the step (a decode row and the same position
+    recomputed inside a prefill chunk agree to the bit)."""
+    b, n, h, d = q.shape
+    kvh, _, bs, _ = k_cache.shape
+    g = h // kvh
+    tile = max(1, FIXED_TILE // bs) * bs
+    pad = -block_tables.shape[1] % (tile // bs)
+    # Padding columns read block 0; every key they give is masked.
+    tables = F.pad(block_tables, (0, pad))
+    k, v = _gather(k_cache, v_cache, _rows(tables, k_cache), b)
+    rows = q.view(b, n, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, n * g, d).float()
+    seen = visible[:, None, :, None].expand(b, 1, n, g).reshape(b, 1, n * g, 1)
+    m = torch.full((b, kvh, n * g, 1), float("-inf"), device=q.device)
+    total = torch.zeros_like(m)
+    acc = torch.zeros(b, kvh, n * g, d, device=q.device)
+    # One sequence's queries come in position order, so those that see nothing of a tile are
+    # the first rows: they are left out of it (for them it would change nothing anyway).
+    chunk = visible[0] if b == 1 else None
+    for start in range(0, int(visible.max()), tile):
+        lo = 0 if chunk is None else int(torch.searchsorted(chunk, start, right=True)) * g
+        keys = torch.arange(start, start + tile, device=q.device)
+        s = torch.matmul(rows[:, :, lo:], k[:, :, start:start + tile].float().transpose(-1, -2))
+        s = s.mul_(scale).masked_fill_(keys >= seen[:, :, lo:], float("-inf"))
+        # Every query sees key 0, so the running maximum is finite from the first tile on;
+        # a tile a query cannot see leaves its sums exactly as they were (exp(0) = 1, p = 0).
+        m_new = torch.maximum(m[:, :, lo:], s.amax(-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        alpha = torch.exp(m[:, :, lo:] - m_new)
+        total[:, :, lo:] = total[:, :, lo:] * alpha + p.sum(-1, keepdim=True)
+        acc[:, :, lo:] = acc[:, :, lo:] * alpha + torch.matmul(
+            p, v[:, :, start:start + tile].float())
+        m[:, :, lo:] = m_new
+    out = (acc / total).to(q.dtype).view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4)
+    return out.reshape(b, n, h, d)

@@ -51,11 +51,12 @@ def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
     return msgspec.structs.replace(cfg, **sections, tenants=new_tenants)
 
 
-def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats
-           ) -> tuple[AdminReply, SurgeConfig]:
-    """The reply, and the configuration from now on."""
+def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats,
+           facts: dict[str, str]) -> tuple[AdminReply, SurgeConfig]:
+    """The reply, and the configuration from now on. facts: what the engine chose at start
+    (the kernel backend), shown by get beside the live parameters."""
     if request.command == "get":
-        return AdminReply(True, "live parameters", live_values(cfg)), cfg
+        return AdminReply(True, "live parameters", {**live_values(cfg), **facts}), cfg
     if request.command == "stats":
         return AdminReply(True, "engine stats", msgspec.structs.asdict(stats)), cfg
     if request.command == "set":

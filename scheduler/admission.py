@@ -41,12 +41,17 @@ class Admission:
         for name, tenant in self.tenants.items():
             tenant.configure(self.limits(name), now)
 
-    def check(self, req: EngineRequest, tenant: Tenant, queue: WaitingQueue, now: float,
-              priority: int, timeout: float) -> RequestOutput | None:
-        """A refusal naming the limit, or None (then the request's cost is taken). priority
-        and timeout are the request's own or its tenant's defaults (0: no deadline)."""
+    def check(self, reqs: list[EngineRequest], tenant: Tenant, queue: WaitingQueue,
+              now: float, priority: int, timeout: float) -> RequestOutput | None:
+        """A refusal naming the limit, or None (then the requests' cost is taken): reqs are
+        one API request's, admitted as a unit. priority and timeout are the request's own or
+        its tenant's defaults (0: no deadline)."""
         limits = tenant.cfg
-        prompt = len(req.prompt_token_ids)
+        count = len(reqs)
+        prompt = sum(len(r.prompt_token_ids) for r in reqs)
+        prompts = f"the prompt ({prompt} tokens)" if count == 1 else \
+            f"the prompts of its {count} choices ({prompt} tokens in all)"
+        asks = "" if count == 1 else f" and this request asks for {count} more"
         drain = self.drained.rate(now)
 
         def refuse(limit: str, message: str, retry_s: float | None, status: int = 429
@@ -54,42 +59,50 @@ class Admission:
             self.rejected[(tenant.name, limit)] += 1
             retry = None if retry_s is None else float(max(1, math.ceil(retry_s)))
             hint = f"; retry after {retry:g}s" if retry else ""
-            return RequestOutput(req.request_id, [], "error", message + hint, status=status,
-                                 retry_after=retry)
+            return RequestOutput(reqs[0].request_id, [], "error", message + hint,
+                                 status=status, retry_after=retry)
 
         def queue_wait(ahead: int) -> float:
             return ahead / drain if drain else _DEFAULT_RETRY_S
 
-        if limits.max_concurrent and tenant.num_waiting + tenant.num_running >= \
+        for limit, bound in (("max_concurrent", limits.max_concurrent),
+                             ("max_queued", limits.max_queued),
+                             ("max_queued_requests", self.cfg.max_queued_requests),
+                             ("requests_per_min", limits.requests_per_min)):
+            if bound and count > bound:
+                return refuse(limit, f"the request's {count} choices are more than {limit} "
+                              f"({bound:g}) allows at once", None, 400)
+        if limits.max_concurrent and tenant.num_waiting + tenant.num_running + count > \
                 limits.max_concurrent:
             rate = tenant.finished.rate(now)
             return refuse("max_concurrent", f"tenant {tenant.name!r} has "
-                          f"{limits.max_concurrent} requests in flight, its max_concurrent",
+                          f"{tenant.num_waiting + tenant.num_running} requests in flight{asks}; "
+                          f"its max_concurrent is {limits.max_concurrent}",
                           1 / rate if rate else _DEFAULT_RETRY_S)
-        if limits.max_queued and tenant.num_waiting >= limits.max_queued:
-            return refuse("max_queued", f"tenant {tenant.name!r} has {limits.max_queued} "
-                          "requests queued, its max_queued", queue_wait(1))
+        if limits.max_queued and tenant.num_waiting + count > limits.max_queued:
+            return refuse("max_queued", f"tenant {tenant.name!r} has {tenant.num_waiting} "
+                          f"requests queued{asks}; its max_queued is {limits.max_queued}",
+                          queue_wait(tenant.num_waiting + count - limits.max_queued))
         bound = self.cfg.max_queued_requests
-        if bound and len(queue) >= bound:
+        if bound and len(queue) + count > bound:
             return refuse("max_queued_requests", f"the server's queue is full ({bound} "
-                          "requests, max_queued_requests)", queue_wait(len(queue) - bound + 1))
+                          "requests, max_queued_requests)", queue_wait(len(queue) + count - bound))
         bound = self.cfg.max_queued_tokens
         if bound and prompt > bound:
-            return refuse("max_queued_tokens", f"the prompt ({prompt} tokens) is longer than "
-                          f"the whole queue may hold (max_queued_tokens={bound})", None, 400)
+            return refuse("max_queued_tokens", f"{prompts} cannot fit: the whole queue "
+                          f"holds max_queued_tokens={bound}", None, 400)
         if bound and queue.num_tokens + prompt > bound:
             share = queue.num_tokens / max(len(queue), 1)
             return refuse("max_queued_tokens", f"the server's queue is full ({queue.num_tokens} "
                           f"prompt tokens waiting, max_queued_tokens={bound})",
                           queue_wait(math.ceil((queue.num_tokens + prompt - bound) / share)
                                      if share else 1))
-        if wait := tenant.requests.wait_for(1, now):
+        if wait := tenant.requests.wait_for(count, now):
             return refuse("requests_per_min", f"tenant {tenant.name!r} is over its "
                           f"requests_per_min ({limits.requests_per_min:g})", wait)
         if limits.tokens_per_min and prompt > limits.tokens_per_min:
-            return refuse("tokens_per_min", f"the prompt ({prompt} tokens) is more than tenant "
-                          f"{tenant.name!r}'s tokens_per_min ({limits.tokens_per_min:g}) allows "
-                          "at once", None, 400)
+            return refuse("tokens_per_min", f"{prompts} cannot fit tenant {tenant.name!r}'s "
+                          f"tokens_per_min ({limits.tokens_per_min:g}) at once", None, 400)
         if wait := tenant.tokens.wait_for(prompt, now):
             return refuse("tokens_per_min", f"tenant {tenant.name!r} is over its "
                           f"tokens_per_min ({limits.tokens_per_min:g})", wait)
@@ -100,6 +113,6 @@ class Admission:
                 return refuse("timeout", f"the request cannot start within its timeout of "
                               f"{timeout:g}s: {ahead} requests are ahead of it and the queue "
                               f"drains {drain:.1f} a second", ahead / drain - timeout, 503)
-        tenant.requests.take(1, now)
+        tenant.requests.take(count, now)
         tenant.tokens.take(prompt, now)
         return None

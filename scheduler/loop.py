@@ -21,9 +21,10 @@ from surge.protocol import (
     AbortRequest,
     AdminReply,
     AdminRequest,
+    EngineHealth,
     EngineOutputs,
     EngineReady,
-    EngineRequest,
+    EngineRequests,
     FrontendMessage,
     RequestOutput,
     StepPlan,
@@ -49,8 +50,11 @@ class WorkerLost(RuntimeError):
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: SurgeConfig, channels: Channels, num_workers: int) -> None:
+    def __init__(self, cfg: SurgeConfig, channels: Channels, num_workers: int,
+                 status: Any) -> None:
+        """status: the supervisor's queue, told of health changes (for systemd)."""
         self.cfg = cfg
+        self.status = status
         self.zmq = zmq.Context()
         self.requests = self.zmq.socket(zmq.PULL)
         self.requests.bind(channels.requests)
@@ -68,32 +72,78 @@ class SchedulerLoop:
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
+        self.kernels = ""  # the workers' kernel backend (WorkerReady.kernels), for admin get
         self.stats = StatsCollector(served_name(cfg.model.served_model_name, cfg.model.model))
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
         self._stalled = False  # work is queued but nothing could be planned
         self._continuous = False  # the engine had work when the last result came back
+        # Health: the workers' generation (each replacement group is the next one), whether
+        # it has served (the first one counts as serving: only a restart can fail), and what
+        # is wrong (None: healthy).
+        self.generation = 0
+        self._served = True
+        self.problem: str | None = None
+
+    def _current(self, msg: Any) -> bool:
+        """Whether msg is not a failure of a worker group already replaced (the worker and
+        the supervisor may both report one death, and every rank of a broken group)."""
+        return not isinstance(msg, WorkerFailed) or msg.generation >= self.generation
 
     def _worker_message(self) -> Any:
-        msg = self._early.popleft() if self._early else \
-            self.worker_decoder.decode(self.results.recv())
-        if isinstance(msg, WorkerFailed):
-            error = f"worker {msg.rank} failed: {msg.error}"
-            raise WorkerError(error) if msg.fatal else WorkerLost(error)
-        return msg
+        while True:
+            msg = self._early.popleft() if self._early else \
+                self.worker_decoder.decode(self.results.recv())
+            if not self._current(msg):
+                continue
+            if isinstance(msg, WorkerFailed):
+                error = f"worker {msg.rank} failed: {msg.error}"
+                if msg.fatal:
+                    raise WorkerError(error)
+                self._lost(error, msg.generation)
+                raise WorkerLost(error)
+            return msg
 
     def _worker_failed(self) -> bool:
         """While a plan waits for ring space: has a worker died (so nobody will read it)?"""
         while self.results.poll(0):
             self._early.append(self.worker_decoder.decode(self.results.recv()))
-        return any(isinstance(m, WorkerFailed) for m in self._early)
+        return any(isinstance(m, WorkerFailed) and self._current(m) for m in self._early)
 
-    def _recover(self, reason: WorkerLost) -> None:
-        """Wait for the replacement workers (a whole tensor-parallel group), then recompute
-        every request from its tokens: the clients see a pause, not an error."""
-        log.warning("%s; waiting for new workers, then recomputing %d requests", reason,
-                    len(self.scheduler.requests) if self.scheduler else 0)
+    def _lost(self, error: str, generation: int) -> None:
+        """A worker of `generation` died; a new group is on its way. If this group had not
+        served a step yet, its restart failed: the engine is unhealthy until one serves."""
+        if not self._served:
+            self._set_health(f"the model worker died again after a restart, before serving "
+                             f"({error}); restarting it")
+        self.generation = generation + 1
+        self._served = False
+
+    def _serving(self) -> None:
+        self._served = True
+        self._set_health(None)
+
+    def _set_health(self, problem: str | None) -> None:
+        """Tell the frontend (/health) and the supervisor (systemd) when health changes."""
+        if problem == self.problem:
+            return
+        self.problem = problem
+        if problem:
+            log.error("engine unhealthy: %s", problem)
+        else:
+            log.info("engine healthy again: a restarted worker serves")
+        self.outputs.send(encode(EngineHealth(problem)))
+        self.status.put(("health", problem))
+
+    def _recover(self, reason: WorkerLost, crashed: list[StepPlan]) -> None:
+        """End the requests that crashed a worker twice (see Quarantine), wait for the
+        replacement workers (a whole tensor-parallel group), then recompute every other
+        request from its tokens: their clients see a pause, not an error."""
         assert self.scheduler is not None
+        if poisoned := self.scheduler.crashed(crashed):
+            self.outputs.send(encode(EngineOutputs(poisoned)))
+        log.warning("%s; waiting for new workers, then recomputing %d requests", reason,
+                    len(self.scheduler.requests))
         self.scheduler.restart()
         self._early = deque(m for m in self._early if not isinstance(m, StepResult))
         back: set[int] = set()
@@ -101,11 +151,14 @@ class SchedulerLoop:
             try:
                 msg = self._worker_message()
             except WorkerLost as again:
-                log.warning("%s", again)  # the rest of a broken group failing too
+                log.warning("%s", again)  # a new worker died in its start: another comes
+                back.clear()
                 continue
-            if isinstance(msg, WorkerReady):
+            if isinstance(msg, WorkerReady) and msg.generation == self.generation:
                 log.info("worker %d is back: %s", msg.rank, msg.description)
                 back.add(msg.rank)
+        if not self.scheduler.has_work():
+            self._serving()  # ready, with nothing to do
 
     def wait_for_workers(self) -> EngineReady:
         readies: list[WorkerReady] = []
@@ -114,6 +167,7 @@ class SchedulerLoop:
             assert isinstance(msg, WorkerReady), msg
             readies.append(msg)
         num_blocks = min(r.num_blocks for r in readies)
+        self.kernels = readies[0].kernels
         self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
                                    speculative=self.cfg.speculative)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
@@ -141,8 +195,9 @@ class SchedulerLoop:
             except msgspec.DecodeError as e:
                 log.error("skipped a malformed message from the frontend: %s", e)
                 continue
-            if isinstance(msg, EngineRequest):
-                replies.append(self.scheduler.add(msg) or RequestOutput(msg.request_id, []))
+            if isinstance(msg, EngineRequests):
+                replies.extend(self.scheduler.add_all(msg.requests)
+                               or [RequestOutput(r.request_id, []) for r in msg.requests])
             elif isinstance(msg, AbortRequest):
                 replies.extend(self.scheduler.abort(msg.request_ids))
         if replies:
@@ -155,14 +210,16 @@ class SchedulerLoop:
         while True:
             # Live (admin set); one step at a time while urgent arrivals must not wait for
             # a step planned ahead of them, and while proposals need the last tokens.
+            # Suspects of a crash run one step at a time, so a crash names its step.
             sched = self.scheduler
-            depth = 2 if self.cfg.scheduler.async_scheduling and \
-                not (sched and (sched.interactive() or sched.speculating())) else 1
+            depth = 2 if self.cfg.scheduler.async_scheduling and not (sched and (
+                sched.interactive() or sched.speculating() or sched.quarantine)) else 1
             try:
                 self._step(inflight, depth)
-            except (WorkerLost, RingClosed) as e:
-                inflight.clear()  # those plans died with the worker
-                self._recover(e if isinstance(e, WorkerLost) else WorkerLost("a worker died"))
+            except WorkerLost as e:
+                crashed = list(inflight)  # those plans died with the worker
+                inflight.clear()
+                self._recover(e, crashed)
                 self._stalled = self._continuous = False
 
     def _step(self, inflight: deque[StepPlan], depth: int) -> None:
@@ -175,8 +232,15 @@ class SchedulerLoop:
         if expired := sched.expire():
             self.outputs.send(encode(EngineOutputs(expired)))
         plan = sched.schedule() if len(inflight) < depth else None
+        if sched.failed:
+            self.outputs.send(encode(EngineOutputs(sched.failed)))
+            sched.failed = []
         if plan is not None:
-            self.ring.put(encode(plan), should_stop=self._worker_failed)
+            try:
+                self.ring.put(encode(plan), should_stop=self._worker_failed)
+            except RingClosed:  # no worker will read it: the plans before it died with one
+                while True:
+                    self._worker_message()  # up to the failure that stopped it, which raises
             inflight.append(plan)
         self._stalled = plan is None and not inflight and sched.has_work()
         if inflight and (plan is None or len(inflight) == depth):
@@ -184,6 +248,8 @@ class SchedulerLoop:
             while result.step_id < inflight[0].step_id:
                 result = self._worker_message()  # a step planned before a worker was replaced
             assert isinstance(result, StepResult) and result.step_id == inflight[0].step_id
+            if not self._served:
+                self._serving()
             done = inflight.popleft()
             sched.cost.record(sum(len(s.token_ids) for s in done.seqs), result.compute_s)
             outputs = sched.update(done, result)
@@ -204,7 +270,8 @@ class SchedulerLoop:
             log.warning("malformed admin request: %s", e)
             self.admin.send(encode(AdminReply(False, f"malformed admin request: {e}")))
             return
-        reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler))
+        reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler),
+                                  {"kernel_backend": self.kernels})
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
             self.cfg = new
@@ -245,8 +312,8 @@ class SchedulerLoop:
         self.scheduler.abort(ids)
         while self.requests.poll(0):
             msg = self.frontend_decoder.decode(self.requests.recv())
-            if isinstance(msg, EngineRequest):
-                ids.append(msg.request_id)
+            if isinstance(msg, EngineRequests):
+                ids += [r.request_id for r in msg.requests]
         self.outputs.send(encode(EngineOutputs([RequestOutput(i, [], "error", reason)
                                                 for i in ids])))
 
@@ -263,7 +330,7 @@ def capacity_report(num_blocks: int, block_size: int) -> str:
 
 def run_scheduler(cfg: SurgeConfig, channels: Channels, num_workers: int, status: Any) -> None:
     child_setup("scheduler", cfg)
-    loop = SchedulerLoop(cfg, channels, num_workers)
+    loop = SchedulerLoop(cfg, channels, num_workers, status)
     try:
         ready = loop.wait_for_workers()
         status.put(("scheduler", capacity_report(ready.num_blocks, ready.block_size)))

@@ -15,12 +15,17 @@ import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 
+import msgspec
+
 from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
 from scheduler.cost import StepCost
+from scheduler.quarantine import POISON_ERROR, Quarantine
 from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculation
+from scheduler.tenants import Tenant
+from shm.staging import STAGING_WORDS
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
@@ -31,6 +36,7 @@ from surge.protocol import (
     StepPlan,
     StepResult,
 )
+from surge.step_size import StepSize
 
 log = logging.getLogger("surge.scheduler")
 _BUCKET_WINDOW = 64  # how far down the queue length bucketing looks for similar prompts
@@ -41,8 +47,10 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, num_blocks: int,
                  tenants: dict[str, TenantConfig] | None = None,
                  clock: Callable[[], float] = time.time,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 staging_words: int = STAGING_WORDS) -> None:
         self.cfg = cfg
+        self.staging_words = staging_words  # the most a step's inputs may take on the worker
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
         self.admission = Admission(cfg, tenants or {})
@@ -58,6 +66,10 @@ class Scheduler:
         self._classes_seen: dict[int, float] = {}  # priority -> its latest arrival
         self.queue_waits: list[float] = []  # arrival to first step, drained by StatsCollector
         self.spec = Speculation(speculative or SpeculativeConfig())
+        self.quarantine = Quarantine()
+        # Requests ended while planning (a step of their own could never be staged), for the
+        # loop to send.
+        self.failed: list[RequestOutput] = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -73,6 +85,34 @@ class Scheduler:
     def add(self, req: EngineRequest) -> RequestOutput | None:
         """Queue a request; an error output instead if it is refused (it could never fit the
         KV cache, or a limit says no)."""
+        refusals = self.add_all([req])
+        return refusals[0] if refusals else None
+
+    def add_all(self, reqs: list[EngineRequest]) -> list[RequestOutput]:
+        """Queue the engine requests of one API request (its prompts and choices) as a unit:
+        all of them, or none, each then refused as the first refused one is. The refusals;
+        none when all are queued."""
+        refusal = next(filter(None, map(self._invalid, reqs)), None)
+        now = self.clock()
+        first = reqs[0]
+        tenant = self.admission.tenant(first.tenant, now)
+        # The tenant's defaults for what the request leaves out.
+        priority = tenant.cfg.priority if first.priority is None else first.priority
+        timeout = first.timeout_s or tenant.cfg.timeout_s
+        refusal = refusal or self.admission.check(reqs, tenant, self.waiting, now, priority,
+                                                  timeout)
+        if refusal is not None:
+            return [msgspec.structs.replace(refusal, request_id=r.request_id) for r in reqs]
+        self._classes_seen[priority] = now
+        if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
+            self._classes_seen = {p: t for p, t in self._classes_seen.items()
+                                  if now - t < _MIXED_WINDOW_S}
+        for req in reqs:
+            self._queue(req, tenant, priority, timeout)
+        return []
+
+    def _invalid(self, req: EngineRequest) -> RequestOutput | None:
+        """A 400 for a request that can never run here."""
         if req.sampling.max_tokens < 1 or not req.prompt_token_ids:
             return RequestOutput(req.request_id, [], "error",
                                  "a request needs a prompt and max_tokens >= 1", status=400)
@@ -86,20 +126,11 @@ class Scheduler:
         if req.request_id in self.requests:
             return RequestOutput(req.request_id, [], "error",
                                  f"request id {req.request_id} is already in use", status=400)
-        now = self.clock()
-        tenant = self.admission.tenant(req.tenant, now)
-        # The tenant's defaults for what the request leaves out.
-        priority = tenant.cfg.priority if req.priority is None else req.priority
-        timeout = req.timeout_s or tenant.cfg.timeout_s
-        refusal = self.admission.check(req, tenant, self.waiting, now, priority, timeout)
-        if refusal is not None:
-            return refusal
+        return None
+
+    def _queue(self, req: EngineRequest, tenant: Tenant, priority: int, timeout: float) -> None:
         seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(62)
         deadline = req.arrival_time + timeout if timeout else None
-        self._classes_seen[priority] = now
-        if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
-            self._classes_seen = {p: t for p, t in self._classes_seen.items()
-                                  if now - t < _MIXED_WINDOW_S}
         seq = Sequence(self._next_seq_id, req.request_id, req.prompt_token_ids, req.sampling,
                        seed, req.arrival_time, tenant, priority, deadline)
         self._next_seq_id += 1
@@ -109,7 +140,6 @@ class Scheduler:
         self.waiting.add(seq)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, seq.seq_id))
-        return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -160,6 +190,7 @@ class Scheduler:
             self.blocks.free(seq)
         seq.status = Status.FINISHED
         seq.tenant.finished.add(self.clock())
+        self.quarantine.forget(seq.seq_id)
         del self.requests[seq.request_id]
         del self.seqs[seq.seq_id]
 
@@ -172,6 +203,17 @@ class Scheduler:
         self.waiting.add(seq)
         self.num_preemptions += 1
         log.debug("preempted", extra={"request_id": seq.request_id})
+
+    def crashed(self, plans: list[StepPlan]) -> list[RequestOutput]:
+        """The steps in plans died with the worker (call before restart): a request that
+        crashed it twice ends with an error (see Quarantine); the others will be recomputed."""
+        outputs = []
+        for seq in self.quarantine.crashed(plans, self.seqs):
+            log.error("request crashed the worker twice; ending it",
+                      extra={"request_id": seq.request_id})
+            self._finish(seq)
+            outputs.append(RequestOutput(seq.request_id, [], "error", POISON_ERROR, status=400))
+        return outputs
 
     def restart(self) -> None:
         """The worker and its KV cache are gone: every sequence starts over from the tokens it
@@ -237,8 +279,9 @@ class Scheduler:
             reserved += need
 
     def schedule(self) -> StepPlan | None:
-        """Pack the next step within the token budget: decodes first, then the chunks of
-        prompts being prefilled, then waiting requests (long prompts split across steps)."""
+        """Pack the next step within the token budget and the staging buffer: decodes first,
+        then the chunks of prompts being prefilled, then waiting requests (long prompts split
+        across steps). While there are suspects of a crash, one of them runs alone."""
         budget, seats = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
         if self.interactive():
             tokens = self.cost.tokens_within(self.cfg.interactive_step_ms / 1000)
@@ -246,17 +289,22 @@ class Scheduler:
                 budget, seats = min(budget, tokens), min(seats, max(1, tokens // 2))
             while len(self.running) > seats:
                 self._preempt(self._victim(self.running))
+        solo = self.quarantine.next(self.seqs)
         # Planned on the spot, so that blocks a prompt fills are named before the next waiting
         # request looks them up: n choices of one prompt share it within the same step.
         chosen: list[ScheduledSeq] = []
-        if self.cfg.policy == "priority" and self.cfg.priority_preemption and self.waiting:
+        size = StepSize()
+        if self.cfg.policy == "priority" and self.cfg.priority_preemption and self.waiting \
+                and solo is None:
             self._preempt_for_urgent(seats)
         speculate = self.speculating()
+        full = False  # the staging buffer has no room for the next sequence
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or not seq.wants_more or seq.spec_inflight:
+            if seq.status is not Status.RUNNING or not seq.wants_more or seq.spec_inflight \
+                    or solo not in (None, seq):
                 continue
             n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if n == 0:
@@ -268,12 +316,26 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING:
-                drafts, propose = self._speculation(seq, n, budget) if speculate else ([], 0)
-                chosen.append(self._scheduled(seq, n, drafts, propose))
-                budget -= n + len(drafts)
-        for seq in self._admission_order(seats):
-            if budget == 0 or len(self.running) >= seats:
+            if seq.status is not Status.RUNNING:
+                continue
+            drafts, propose = self._speculation(seq, n, budget) if speculate else ([], 0)
+            item = self._item(seq, n, drafts, propose)
+            if (drafts or propose) and size.plus(item).words() > self.staging_words:
+                self.blocks.trim(seq, seq.num_computed_tokens + n)  # proposals are optional
+                item = self._item(seq, n)
+            grown = self._staged(size, item, seq, bool(chosen))
+            if grown is None:
+                full = bool(chosen)
+                if full:
+                    break
+                continue
+            size = grown
+            self._commit(seq, item)
+            chosen.append(item)
+            budget -= len(item.token_ids)
+        order = self._admission_order(seats) if solo is None else self._make_room(solo, seats)
+        for seq in order:
+            if full or budget == 0 or len(self.running) >= seats:
                 break
             if seq.num_pending:
                 continue  # preempted with a token still in flight: resume once it is known
@@ -282,17 +344,55 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.allocate(seq, cached + n, hits):
                 break
+            item = self._item(seq, n)
+            grown = self._staged(size, item, seq, bool(chosen))
+            if grown is None:
+                if chosen:  # it waits for a step with room
+                    self.blocks.free(seq)
+                    seq.num_computed_tokens = 0
+                break
+            size = grown
             if seq.first_scheduled is None:
                 seq.first_scheduled = self.clock()
                 self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
             self._start(seq)
-            chosen.append(self._scheduled(seq, n))
+            self._commit(seq, item)
+            chosen.append(item)
             budget -= n
         if not chosen:
             return None
         plan = StepPlan(self._next_step_id, chosen)
         self._next_step_id += 1
         return plan
+
+    def _staged(self, size: StepSize, item: ScheduledSeq, seq: Sequence,
+                shared: bool) -> StepSize | None:
+        """The step's size with item in it, or None if the staging buffer has no room for it.
+        One that does not fit even alone (not shared) can never run: it ends with an error."""
+        grown = size.plus(item)
+        words = grown.words()
+        if words <= self.staging_words:
+            return grown
+        if not shared:
+            self._finish(seq)
+            self.failed.append(RequestOutput(
+                seq.request_id, [], "error",
+                f"a step of this request alone needs {words} staging words, more than the "
+                f"{self.staging_words} a step holds (its logit_bias, stop_token_ids, prompt "
+                f"chunk or context are too large); it can never run", status=400))
+        return None
+
+    def _make_room(self, seq: Sequence, seats: int) -> Iterator[Sequence]:
+        """A waiting suspect runs alone: running sequences are preempted to make room for it."""
+        if seq.status is not Status.WAITING or seq.num_pending:
+            return iter(())
+        hits = self.blocks.lookup(seq.token_ids)
+        num_tokens = min(seq.num_tokens, len(hits) * self.cfg.block_size
+                         + self.cfg.max_num_batched_tokens)
+        while self.running and (len(self.running) >= seats or self.blocks.blocks_to_allocate(
+                seq, num_tokens, hits) > self.blocks.num_free):
+            self._preempt(self._victim(self.running))
+        return iter([seq])
 
     def _admission_order(self, seats: int) -> Iterator[Sequence]:
         """Waiting sequences in the order to try them (see WaitingQueue.order); with length
@@ -323,23 +423,17 @@ class Scheduler:
             return [], 0
         return drafts, propose
 
-    def _scheduled(self, seq: Sequence, n: int, drafts: list[int] | None = None,
-                   propose: int = 0) -> ScheduledSeq:
+    def _item(self, seq: Sequence, n: int, drafts: list[int] | None = None,
+              propose: int = 0) -> ScheduledSeq:
+        """seq's next n tokens (then its proposals) as a step item; nothing changes until
+        _commit."""
         drafts = drafts or []
         start = seq.num_computed_tokens
         tokens = seq.token_ids[start : start + n]
         tokens += [PREVIOUS_TOKEN] * (n - len(tokens))
-        seq.num_computed_tokens += n
-        seq.tenant.serve(n + len(drafts))
-        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        sample = start + n == seq.num_tokens + seq.num_pending
         # The index, among the outputs, of the token this step samples.
         output_index = seq.num_output_tokens + seq.num_pending
-        seq.num_pending += sample
-        self.blocks.name_full_blocks(seq)
-        # The proposals' slots are written too; update() takes back those rejected.
-        seq.num_computed_tokens += len(drafts)
-        seq.spec_inflight = bool(drafts or propose)
-        seq.draft = []  # proposals are for the step right after the one that made them
         params = seq.sampling
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tokens + drafts, start_pos=start,
@@ -347,6 +441,17 @@ class Scheduler:
             ban_stop_tokens=sample and output_index < params.min_tokens,
             history=list(seq.token_ids) if sample and params.uses_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose)
+
+    def _commit(self, seq: Sequence, item: ScheduledSeq) -> None:
+        """item is in the step: seq's tokens count as computed (its proposals' slots are
+        written too; update() takes back those rejected)."""
+        seq.num_computed_tokens += len(item.token_ids) - item.num_draft
+        seq.tenant.serve(len(item.token_ids))
+        seq.num_pending += item.sample
+        self.blocks.name_full_blocks(seq)
+        seq.num_computed_tokens += item.num_draft
+        seq.spec_inflight = bool(item.num_draft or item.propose)
+        seq.draft = []  # proposals are for the step right after the one that made them
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each sequence's new tokens (with proposals, those accepted and one more),
@@ -380,6 +485,7 @@ class Scheduler:
                 self.blocks.name_full_blocks(seq)
             logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
             outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
+        self.quarantine.served(plan, self.seqs)
         return outputs
 
     def _settle_speculation(self, seq: Sequence, item: ScheduledSeq, new: SeqResult, step: int,

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from server.auth import auth_middleware
+from server.connections import ConnectionGuard, connection_limit
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
@@ -43,12 +44,14 @@ class Frontend:
         self.tokenizer = tokenizer
         self.engine = engine
         self.translator = RequestTranslator(tokenizer, engine, model_name, max_model_len,
-                                            cfg.max_prompt_tokens)
+                                            cfg.max_prompt_tokens, cfg.max_choices)
         self.token_text = TokenText(tokenizer.hf)
         self.created = int(time.time())
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
         self.sockets = OpenSockets()
+        self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
+                                           cfg.header_timeout_s)
         metrics.frontend_series(model_name)
 
     # ---- endpoints ----
@@ -76,17 +79,11 @@ class Frontend:
         taken them all (or raise its refusal); their pieces merged."""
         requests = self.translator.engine_requests(body, rid, prompts, max_tokens, logprobs,
                                                    tenant)
-        taken = await asyncio.gather(*(submit(self.engine, r) for r in requests),
-                                     return_exceptions=True)
-        if refused := [e for e in taken if isinstance(e, BaseException)]:
-            for r in requests:
-                self.engine.abort(r.request_id)
-            raise refused[0]
+        taken = await submit(self.engine, requests)
         stop = stop_strings(body)
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
-                   for index, (r, stream) in enumerate(zip(requests, taken, strict=True))
-                   if not isinstance(stream, BaseException)]
+                   for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
         return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
                        self.translator.model_name, len(streams))
 
@@ -183,6 +180,9 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
+        if self.engine.problem:
+            return web.json_response({"status": "unhealthy", "reason": self.engine.problem},
+                                     status=503)
         return web.json_response({"status": "ok"})
 
     # ---- response helpers ----
@@ -293,7 +293,8 @@ def _work_middleware(frontend: Frontend) -> Any:
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
     keys = Keys.of(frontend.cfg.api_key, frontend.cfg.api_keys_file)
-    app = web.Application(middlewares=[error_middleware, auth_middleware(keys),
+    app = web.Application(middlewares=[frontend.connections.middleware(), error_middleware,
+                                       auth_middleware(keys, frontend.cfg),
                                        _work_middleware(frontend)],
                           client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes

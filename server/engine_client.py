@@ -11,9 +11,11 @@ import zmq.asyncio
 
 from surge.protocol import (
     AbortRequest,
+    EngineHealth,
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineRequests,
     EngineStats,
     RequestOutput,
     SchedulerMessage,
@@ -34,6 +36,7 @@ class EngineClient:
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
         self.stats: EngineStats | None = None
+        self.problem: str | None = None  # why the engine is unhealthy (see EngineHealth)
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -45,6 +48,9 @@ class EngineClient:
                 continue
             if isinstance(msg, EngineStats):
                 self.stats = msg
+                continue
+            if isinstance(msg, EngineHealth):
+                self.problem = msg.problem
                 continue
             assert isinstance(msg, EngineOutputs)
             for out in msg.outputs:
@@ -60,22 +66,28 @@ class EngineClient:
         sent = self.requests.send(data)
         sent.add_done_callback(_report_send_failure)
 
-    def submit(self, request: EngineRequest) -> asyncio.Queue[RequestOutput]:
-        data = encode(request)
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.streams[request.request_id] = stream
+    def submit(self, requests: list[EngineRequest]) -> list[asyncio.Queue[RequestOutput]]:
+        """Send one API request's engine requests in one message (admitted as a unit); the
+        stream of outputs of each."""
+        data = encode(EngineRequests(requests))
+        streams: list[asyncio.Queue[RequestOutput]] = []
+        for request in requests:
+            streams.append(asyncio.Queue())
+            self.streams[request.request_id] = streams[-1]
         self._send(data)
-        return stream
+        return streams
 
-    def abort(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is not None:
-            self._send(encode(AbortRequest([request_id])))
+    def abort(self, *request_ids: str) -> None:
+        """Abort those of request_ids still running, in one message."""
+        running = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+        if running:
+            self._send(encode(AbortRequest(running)))
 
     def fail_all(self, reason: str) -> None:
         """End every request this frontend is waiting on with an error, and abort it."""
-        for request_id, stream in list(self.streams.items()):
+        for request_id, stream in self.streams.items():
             stream.put_nowait(RequestOutput(request_id, [], "error", reason))
-            self.abort(request_id)
+        self.abort(*self.streams)
 
     def close(self) -> None:
         self._reader.cancel()

@@ -14,7 +14,8 @@ from surge import metrics
 log = logging.getLogger("surge.frontend")
 access = logging.getLogger("surge.access")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+          403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}

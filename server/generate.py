@@ -32,19 +32,21 @@ def refusal(out: RequestOutput) -> ApiError:
                     retry_after=out.retry_after)
 
 
-async def submit(engine: EngineClient, request: EngineRequest
-                 ) -> asyncio.Queue[RequestOutput]:
-    """Send a request and wait until the scheduler takes it; a refusal raises its ApiError
-    before anything has been sent to the client."""
-    stream = engine.submit(request)
+async def submit(engine: EngineClient, requests: list[EngineRequest]
+                 ) -> list[asyncio.Queue[RequestOutput]]:
+    """Send one API request's engine requests and wait until the scheduler takes them (all or
+    none); a refusal raises its ApiError before anything has been sent to the client."""
+    streams = engine.submit(requests)
+    ids = [r.request_id for r in requests]
     try:
-        first = await stream.get()
-    except BaseException:  # cancelled: the client left while the request was on its way
-        engine.abort(request.request_id)
+        firsts = [await stream.get() for stream in streams]
+    except BaseException:  # cancelled: the client left while the requests were on their way
+        engine.abort(*ids)
         raise
-    if first.finish_reason is not None:
-        raise refusal(first)
-    return stream
+    if refused := [out for out in firsts if out.finish_reason is not None]:
+        engine.abort(*ids)  # none should be running: they are admitted as a unit
+        raise refusal(refused[0])
+    return streams
 
 
 async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],

@@ -36,10 +36,15 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
                         max_model_len(files), cfg.server, root=files.path)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
     runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=5.0)
+                           access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=cfg.server.keepalive_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
-    await site.start()
+    assert runner.server is not None  # set up just above
+    listener = await frontend.connections.listen(runner.server, cfg.server.host,
+                                                 cfg.server.port)
+    log.info("connections: at most %d, request headers within %gs, keep-alive %gs",
+             frontend.connections.max_connections, cfg.server.header_timeout_s,
+             cfg.server.keepalive_timeout_s)
     try:
         ready_wait = asyncio.ensure_future(engine.ready)
         stop_wait = asyncio.ensure_future(stop.wait())
@@ -52,6 +57,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         else:
             ready_wait.cancel()
     finally:
+        listener.close()  # no new connections; runner.cleanup() ends the open ones
         await runner.cleanup()
         engine.close()
 

@@ -36,12 +36,13 @@ class RequestTranslator:
     """The one place a request parameter turns into prompts, checks and SamplingParams."""
 
     def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
-                 max_model_len: int, max_prompt_tokens: int) -> None:
+                 max_model_len: int, max_prompt_tokens: int, max_choices: int) -> None:
         self.tokenizer = tokenizer
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_choices = max_choices
 
     def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():
@@ -65,6 +66,7 @@ class RequestTranslator:
     async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
         """A request body's prompts (token ids), max_tokens and logprobs count."""
         self._check_model(body.model)  # before any tokenizing is spent on it
+        self._check_choices(body)
         if isinstance(body, CompletionRequest):
             if body.echo and body.logprobs is not None:
                 raise ApiError(400, "echo together with logprobs is not supported (prompt "
@@ -111,6 +113,17 @@ class RequestTranslator:
                     tenant=tenant, priority=body.priority, timeout_s=body.timeout))
         return requests
 
+    def _check_choices(self, body: Body) -> None:
+        """Each choice (prompt x n) is an engine request: bound the fan-out of one body."""
+        prompt = body.prompt if isinstance(body, CompletionRequest) else None
+        many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts = len(prompt) if many else 1
+        if prompts * body.n > self.max_choices:
+            raise ApiError(400, f"this request asks for {prompts * body.n} choices ({prompts} "
+                                f"prompts x n={body.n}); this server allows at most "
+                                f"{self.max_choices} per request (max_choices)",
+                           param="prompt" if prompts > 1 else "n")
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
@@ -129,6 +142,11 @@ class RequestTranslator:
 
     async def _chat_prompt(self, chat: list[ChatMessage],
                            add_generation_prompt: bool = True) -> list[int]:
+        for i, m in enumerate(chat):
+            # Only an assistant turn may come without text (OpenAI: one that called tools).
+            if m.content is None and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}] ({m.role}) needs a content",
+                               param="messages")
         messages = [{"role": m.role if m.role != "developer" else "system",
                      "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content or [])}

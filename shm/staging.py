@@ -12,10 +12,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Words in each staging buffer: the most a step may need (the scheduler plans within it).
+STAGING_WORDS = 1 << 20
+
+
+class StagingOverflow(ValueError):
+    """A step needs more staging words than a buffer holds."""
+
 
 class Staging:
-    def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
+    def __init__(self, device: torch.device, capacity: int = STAGING_WORDS) -> None:
         self.cuda = device.type == "cuda"
+        self.capacity = capacity
         # int64 words; float32 arrays take half a word each (see add()).
         self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda)
                      for _ in range(2)]
@@ -28,8 +36,12 @@ class Staging:
         self.used = 0
         self._words = self.host[0].numpy()
 
-    def begin(self) -> int:
-        """Start packing the next step into the other buffer; its slot, for wait/release."""
+    def begin(self, words: int) -> int:
+        """Start packing the next step, of `words` words, into the other buffer; its slot, for
+        wait/release."""
+        if words > self.capacity:
+            raise StagingOverflow(f"a step's inputs need {words} staging words, more than the "
+                                  f"{self.capacity} a buffer holds")
         self.slot ^= 1
         self.used = 0
         if (copied := self.copied[self.slot]) is not None:
@@ -47,8 +59,8 @@ class Staging:
         words = (n + 1) // 2 if floats else n
         start, end = self.used, self.used + words
         if end > len(self._words):
-            raise ValueError(f"a step's inputs need more than {len(self._words)} staging words; "
-                             "lower max_num_batched_tokens or max_num_seqs")
+            raise StagingOverflow(f"a step's inputs need more than {len(self._words)} staging "
+                                  "words: more than begin() was told")
         self.used = end
         dest = self._words[start:end]
         view = self.dev[self.slot][start:end]

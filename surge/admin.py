@@ -9,7 +9,6 @@ import signal
 import sys
 import time
 import tomllib
-import urllib.request
 
 import msgspec
 import zmq
@@ -88,14 +87,16 @@ def _toml(data: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def histograms(url: str) -> dict[str, list[tuple[float, float]]]:
-    """Each surge histogram's cumulative buckets [(upper bound, count)] from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+def histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
+    """Each surge histogram's cumulative buckets [(upper bound, count)], read from the
+    server's own metric files (so no metrics key is needed when API keys guard /metrics)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.path.join(runtime_dir, "metrics"))
     out: dict[str, list[tuple[float, float]]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in registry.collect():
         for sample in family.samples:
             if sample.name.endswith("_bucket") and set(sample.labels) <= {"le", "model_name"}:
                 out.setdefault(family.name, []).append((float(sample.labels["le"]),
@@ -131,7 +132,7 @@ def _summary(runtime_dir: str) -> str:
     dt = max(b["time"] - a["time"], 1e-6)
     url = recorded(runtime_dir, "url")
     assert url is not None  # written before the scheduler starts, so before it answers
-    hist = histograms(url)
+    hist = histograms(runtime_dir)
 
     def pcts(name: str) -> str:
         p50, p95 = (quantile(hist.get(name, []), q) for q in (0.5, 0.95))

@@ -87,7 +87,7 @@ def run_top(runtime_dir: str, iterations: int | None) -> int:
             if not reply.ok:
                 print(f"surge admin: {reply.message}", file=sys.stderr)
                 return 1
-            window.append(Sample(time.monotonic(), reply.values, histograms(url)))
+            window.append(Sample(time.monotonic(), reply.values, histograms(runtime_dir)))
             while window[-1].time - window[0].time > _WINDOW_S:
                 window.popleft()
             # On a terminal, redraw in place; into a pipe, one screen after another.

@@ -138,13 +138,15 @@ def _live_parameters(url: str) -> dict | None:
     return reply.values if reply.ok else None
 
 
-def engine_stats(url: str, after: float | None = None) -> dict | None:
+def engine_stats(url: str, after: float | None = None, headers: dict | None = None
+                 ) -> dict | None:
     """A surge server's running totals (/stats), fresher than `after` if given; None from
-    other servers."""
+    other servers, and when API keys guard /stats and `headers` carry neither the metrics key
+    nor an admin tenant's key."""
     deadline = time.monotonic() + 5
     while True:
         try:
-            stats = _get_json(f"{url}/stats", {})
+            stats = _get_json(f"{url}/stats", headers or {})
         except (OSError, ValueError):
             return None
         # Empty until the scheduler's first report, a moment after the server is ready.
@@ -191,7 +193,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict,
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
     path = ENDPOINTS[opts.endpoint]
-    before = engine_stats(opts.url)
+    before = engine_stats(opts.url, headers=headers)
     with progress(len(bodies), label, opts.no_progress) as done:
         if kind == "rate" or opts.workload == "trace":
             arrivals = list(zip(times, bodies, strict=True)) if times else \
@@ -202,7 +204,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict,
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
                                                     opts.duration, done=done, path=path))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
-    after = engine_stats(opts.url, after=before["time"] + wall) if before else None
+    after = engine_stats(opts.url, before["time"] + wall, headers) if before else None
     if before and after:
         result["server"] = _server_share(before, after)
     return result
@@ -320,7 +322,8 @@ def run_bench(opts: argparse.Namespace) -> int:
         print(f"surge bench: cannot reach {opts.url}/v1/models: {e}", file=sys.stderr)
         return 1
     if opts.prompt_format is None:
-        opts.prompt_format = "tokens" if engine_stats(opts.url) is not None else "text"
+        opts.prompt_format = "tokens" if engine_stats(opts.url, headers=headers) is not None \
+            else "text"
     if opts.endpoint == "chat" and opts.prompt_format == "tokens":
         print("surge bench: --endpoint chat sends text: use --prompt-format text",
               file=sys.stderr)

@@ -63,6 +63,17 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         bool, Meta(description="on the CPU in bfloat16, run linear layers on weights reordered "
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head)")
     ] = True
+    kernel_backend: Annotated[
+        Literal["auto", "reference", "cpu", "triton"],
+        Meta(description="compute kernels: auto picks triton on CUDA and the PyTorch reference "
+             "elsewhere; reference, cpu (the C++ kernels: paged attention in place, fused "
+             "RMSNorm) or triton force one (A/B runs, debugging)"),
+    ] = "auto"
+    deterministic: Annotated[
+        bool, Meta(description="batch-invariant attention (CPU only): a token's result does "
+                   "not depend on what else is in its step, so recovery and batching give "
+                   "the same bf16 answers as a request run alone; slower steps")
+    ] = False
 
 
 class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -95,10 +106,43 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         str | None, Meta(description="one API key every /v1/ request must carry (tenant "
                          "'default'), as vLLM's --api-key; works beside --api-keys-file")
     ] = None
+    max_choices: Annotated[
+        int, Meta(ge=1, description="most choices one request may ask for: its prompts times "
+                  "n, each an engine request (more get 400)")
+    ] = 256
     api_keys_file: Annotated[
         str | None, Meta(description="JSON file of API keys (salted hashes) and their tenants, "
                          "managed with `surge admin keys`; unset: no keys, one tenant")
     ] = None
+    metrics_auth: Annotated[
+        Literal["keys", "public"],
+        Meta(description="who may read /metrics and /stats: keys (with an API keys file or a "
+             "metrics key, only the metrics key or a key of the admin tenant; else anyone) "
+             "or public (anyone)"),
+    ] = "keys"
+    metrics_key: Annotated[
+        Annotated[str, Meta(min_length=16)] | None,
+        Meta(description="a Bearer token for /metrics and /stats only (a Prometheus scrape "
+             "key, 16+ characters); prefer SURGE_METRICS_KEY or the file to a flag, which "
+             "the process list shows"),
+    ] = None
+    admin_tenant: Annotated[
+        str, Meta(description="keys of this tenant may also read /metrics and /stats (\"\": "
+                  "none)")
+    ] = "admin"
+    header_timeout_s: Annotated[
+        float, Meta(gt=0, description="a connection whose request headers are not complete "
+                    "this long after it opened, or after the request's first byte, is closed "
+                    "(with a 408 if the request had begun)")
+    ] = 10.0
+    keepalive_timeout_s: Annotated[
+        float, Meta(gt=0, description="an idle keep-alive connection (no request after the "
+                    "last answer) is closed after this long")
+    ] = 15.0
+    max_connections: Annotated[
+        int, Meta(ge=0, description="open client connections; more are answered 503 and "
+                  "closed (0: 4096, or the open-file limit less 256 when that is lower)")
+    ] = 0
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -40,6 +40,10 @@ prompt_tokens = Counter("surge_prompt_tokens", "prompt tokens of accepted reques
 request_success = Counter("surge_request_success", "requests (each choice) ended, by "
                           "finished_reason: stop, length, abort (the client left or "
                           "cancelled), error", ["model_name", "finished_reason"])
+open_connections = Gauge("surge_open_connections", "client connections open",
+                         multiprocess_mode="livemax")
+refused_connections = Counter("surge_refused_connections", "client connections refused over "
+                              "max_connections")
 
 # scheduler
 generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "

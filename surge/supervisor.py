@@ -53,6 +53,7 @@ class Supervisor:
         self.stopping = False
         self.ring: RingBuffer | None = None
         self.restarts: list[float] = []
+        self.problem: str | None = None  # the engine is unhealthy (the scheduler says why)
         # To speak for a worker that died without a word (see _tell_scheduler).
         self.zmq = zmq.Context()
         self.results = self.zmq.socket(zmq.PUSH)
@@ -115,8 +116,11 @@ class Supervisor:
         interval = watchdog_interval()
         pinged = 0.0
         while not self.stopping:
-            if interval and time.monotonic() - pinged >= interval:
-                notify("WATCHDOG=1")  # every child is alive (a dead one is handled below)
+            self._read_status()
+            if interval and not self.problem and time.monotonic() - pinged >= interval:
+                # Every child is alive (a dead one is handled below) and the engine is healthy:
+                # while it is not, systemd's watchdog runs out and restarts surge.
+                notify("WATCHDOG=1")
                 pinged = time.monotonic()
             if self.reload_requested:
                 self.reload_requested = False
@@ -154,6 +158,21 @@ class Supervisor:
             self._start_workers()
         return 0
 
+    def _read_status(self) -> None:
+        """Reports since start-up: new workers ready, and the engine's health changing."""
+        while True:
+            try:
+                name, info = self.status.get_nowait()
+            except queue.Empty:
+                return
+            if name != "health":
+                continue  # a new worker's ready report: the scheduler logs it
+            self.problem = info
+            if info:
+                notify(f"STATUS=unhealthy: {info}")
+            else:
+                notify(f"STATUS=serving on http://{self.cfg.server.host}:{self.cfg.server.port}")
+
     def reload(self) -> None:
         """SIGHUP: read the config again and hand the live parameters to the scheduler."""
         from surge.admin import ask
@@ -177,7 +196,7 @@ class Supervisor:
         """A worker killed outright says nothing itself: say it for it."""
         rank = int(dead.name.split()[-1])
         error = f"exited with code {dead.exitcode}"
-        self.results.send(encode(WorkerFailed(rank, error, fatal)))
+        self.results.send(encode(WorkerFailed(rank, error, fatal, self.generation)))
 
     def _wait_for_answers(self) -> None:
         """Let the scheduler end every request and the frontend write the errors out."""

@@ -19,12 +19,12 @@ class InProcessEngine:
 
     def __init__(self, model, num_blocks: int = 512, depth: int = 1, graphs_max_batch: int = 0,
                  speculative: SpeculativeConfig | None = None, draft=None,
-                 **scheduler_options) -> None:
+                 fixed_order: bool = False, **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
         self.scheduler = Scheduler(cfg, num_blocks, speculative=speculative)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
                                   model.embed.weight.dtype, graphs_max_batch=graphs_max_batch,
-                                  draft=draft)
+                                  draft=draft, fixed_order=fixed_order)
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from kernels import (
     add_rms_norm,
     attention,
     decode_attention,
+    fixed_order_attention,
     plan_decode,
     prefill_attention,
     store_kv,
@@ -118,9 +120,56 @@ def test_prefill_attention_with_cached_context(block_size, h, kvh):
         start += n
 
 
+@pytest.mark.parametrize("block_size", [4, 16, 128])
+@pytest.mark.parametrize(("h", "kvh"), [(4, 4), (9, 3)])
+def test_fixed_order_attention_is_attention(block_size, h, kvh):
+    lengths = [1, 70, 150]
+    k_cache, v_cache, tables, ks, vs = _paged(lengths, block_size, kvh, 8, seed=2)
+    for i, n in enumerate(lengths):
+        q = torch.randn(n, h, 8)
+        out = fixed_order_attention(q[None], k_cache, v_cache, tables[i : i + 1],
+                                    torch.arange(1, n + 1)[None], 0.3)[0]
+        want = _dense(q, ks[i], vs[i], torch.arange(n), 0.3)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_order_attention_does_not_depend_on_the_batch(dtype):
+    """--deterministic's promise: a query gives the same bits whether it is a decode row beside
+    other sequences of other lengths, or one row of a prefill chunk of any length."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [150, 9, 40, 100]
+    k_cache, v_cache, tables, _, _ = _paged(lengths, 16, 3, 64, seed=3)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(150, 9, 64, generator=g).to(dtype)
+    whole = fixed_order_attention(q[None], k_cache, v_cache, tables[:1],
+                                  torch.arange(1, 151)[None], 0.125)[0]
+    for pos in (0, 15, 16, 63, 64, 100, 149):
+        others = torch.randn(3, 9, 64, generator=g).to(dtype)
+        batch = fixed_order_attention(
+            torch.cat([q[pos : pos + 1], others])[:, None], k_cache, v_cache, tables,
+            torch.tensor([[pos + 1], [9], [40], [100]]), 0.125)[0, 0]
+        assert torch.equal(batch, whole[pos]), pos
+        lo = max(0, pos - 5)
+        chunk = fixed_order_attention(q[lo : pos + 1][None], k_cache, v_cache, tables[:1],
+                                      torch.arange(lo + 1, pos + 2)[None], 0.125)[0, -1]
+        assert torch.equal(chunk, whole[pos]), pos
+
+
 def test_add_rms_norm_matches_definition():
     x, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
     normed, residual = add_rms_norm(x, r, w, 1e-6)
     s = x + r
     torch.testing.assert_close(residual, s)
     torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_the_backend_is_a_value_picked_per_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = kernels.for_device(torch.device("cpu"))
+    assert cpu.name == "reference" and cpu.decode_attention is decode_attention
+    assert str(cpu) == "reference kernels (auto on cpu)"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        kernels.for_device(torch.device("cpu"), "triton")
+    with pytest.raises(ValueError, match="use one of"):
+        kernels.for_device(torch.device("cpu"), "fast")

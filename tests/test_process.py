@@ -20,7 +20,9 @@ from surge.protocol import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineRequests,
     EngineStats,
+    FrontendMessage,
     SamplingParams,
     SchedulerMessage,
     encode,
@@ -67,9 +69,11 @@ class Engine:
         return self.decoder.decode(self.outputs.recv())
 
     def submit(self, rid: str, prompt: list[int], max_tokens: int, **sampling: object) -> None:
-        self.requests.send(encode(EngineRequest(
-            request_id=rid, prompt_token_ids=prompt, arrival_time=time.time(),
-            sampling=SamplingParams(max_tokens=max_tokens, **sampling))))
+        self.submit_all([_request(rid, prompt, max_tokens, **sampling)])
+
+    def submit_all(self, requests: list[EngineRequest]) -> None:
+        """One message, as the frontend sends one API request's choices."""
+        self.requests.send(encode(EngineRequests(requests)))
 
     def collect(self, n: int, timeout: float = 60) -> dict[str, tuple[list[int], str]]:
         done: dict[str, tuple[list[int], str]] = {}
@@ -94,6 +98,12 @@ class Engine:
         self.ring.unlink()
         self.channels.remove()
         assert codes == [0, 0], codes
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, **sampling: object
+             ) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=prompt, arrival_time=time.time(),
+                         sampling=SamplingParams(max_tokens=max_tokens, **sampling))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +147,28 @@ def test_oversized_request_is_refused(engine):
     engine.submit("huge", [1] * 10, capacity, temperature=0.0)
     tokens, reason = engine.collect(1)["huge"]
     assert reason == "error" and tokens == []
+
+
+def test_one_message_of_requests_round_trips():
+    message = EngineRequests([_request(f"cmpl-1-{i}", [5, i + 1], 3, seed=i) for i in range(3)])
+    assert msgspec.msgpack.Decoder(FrontendMessage).decode(encode(message)) == message
+
+
+def test_the_requests_of_one_message_are_admitted_all_or_none(engine, tiny_model):
+    """Three choices in one message all run; three where one can never fit are all refused
+    with its reason, and none of them runs."""
+    engine.submit_all([_request(f"unit{i}", [3, 4, 5 + i], 4, temperature=0.0)
+                       for i in range(3)])
+    done = engine.collect(3)
+    assert all(reason == "length" and len(tokens) == 4 for tokens, reason in done.values())
+    capacity = engine.ready.num_blocks * engine.ready.block_size
+    engine.submit_all([_request("fits0", [3, 4], 4), _request("never", [3, 4], capacity),
+                       _request("fits1", [3, 4], 4)])
+    refused = engine.collect(3)
+    assert sorted(refused) == ["fits0", "fits1", "never"]
+    assert all(out == ([], "error") for out in refused.values())
+    stats = _stats(engine)
+    assert (stats.running, stats.waiting) == (0, 0)
 
 
 def test_nothing_left_behind(tiny_model):

@@ -10,27 +10,32 @@ from collections import deque
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from scheduler.quarantine import POISON_ERROR
 from scheduler.scheduler import Scheduler
+from shm.staging import STAGING_WORDS
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
     EngineRequest,
+    RequestOutput,
     SamplingParams,
     SeqResult,
     StepPlan,
     StepResult,
 )
+from surge.step_size import step_words
 from tests.test_block_manager import check_blocks
 
 EOS = 2
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, priority: int = 0,
-             arrival: float = 0.0, tenant: str = "default") -> EngineRequest:
+             arrival: float = 0.0, tenant: str = "default", bias: int = 0) -> EngineRequest:
     return EngineRequest(request_id=rid, prompt_token_ids=prompt, arrival_time=arrival,
                          priority=priority, tenant=tenant,
                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                 stop_token_ids=[EOS]))
+                                                 stop_token_ids=[EOS],
+                                                 logit_bias={t: 0.0 for t in range(bias)}))
 
 
 def next_token(seq_id: int, position: int, eos_every: int) -> int:
@@ -99,21 +104,22 @@ prompts = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)).m
     lambda t: prefixes[t[0]][: t[1]] + [40 + t[2]] * (t[2] % 5 + 1))
 def _actions(max_tokens: int) -> st.SearchStrategy:
     return st.lists(st.one_of(
-        st.tuples(st.just("add"), prompts, st.integers(1, max_tokens), st.integers(0, 2)),
-        st.tuples(st.just("step"), st.none(), st.none(), st.none()),
-        st.tuples(st.just("abort"), st.none(), st.integers(0, 30), st.none()),
-        st.tuples(st.just("worker lost"), st.none(), st.none(), st.none()),
+        st.tuples(st.just("add"), prompts, st.integers(1, max_tokens), st.integers(0, 2),
+                  st.sampled_from([0, 0, 5, 40])),
+        st.tuples(st.just("step"), st.none(), st.none(), st.none(), st.none()),
+        st.tuples(st.just("abort"), st.none(), st.integers(0, 30), st.none(), st.none()),
+        st.tuples(st.just("worker lost"), st.none(), st.none(), st.none(), st.none()),
     ), max_size=60)
 
 
 @settings(max_examples=1500, deadline=None)
 @given(_actions(20), st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
        st.sampled_from([1, 2]), st.sampled_from([0, 7]), st.booleans(),
-       st.sampled_from(["fcfs", "priority", "sjf"]))
+       st.sampled_from(["fcfs", "priority", "sjf"]), st.sampled_from([STAGING_WORDS, 400, 150]))
 def test_scheduler_invariants(actions, num_blocks, max_seqs, budget, prefix_cache, depth,
-                              eos_every, bucketing, policy):
+                              eos_every, bucketing, policy, staging_words):
     drive(actions, num_blocks, max_seqs, budget, prefix_cache, depth, eos_every, bucketing,
-          policy, "off")
+          policy, "off", staging_words)
 
 
 @settings(max_examples=600, deadline=None)
@@ -125,11 +131,14 @@ def test_scheduler_invariants_with_speculation(actions, num_blocks, max_seqs, bu
     right, sometimes wrong and rolled back (the fake draft's too); outputs stay the true
     tokens."""
     drive(actions, num_blocks, max_seqs, budget, prefix_cache, depth, eos_every, False,
-          "priority", method)
+          "priority", method, 400)
 
 
 def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bool, depth: int,
-          eos_every: int, bucketing: bool, policy: str, speculation: str) -> None:
+          eos_every: int, bucketing: bool, policy: str, speculation: str,
+          staging_words: int = STAGING_WORDS) -> None:
+    """Also: every step fits the staging buffer (a request whose step never could ends with
+    an error), and a lost worker's steps make suspects of their requests (see Quarantine)."""
     bs = 4
     clock = [0.0]
     # Requests of priority p belong to tenant p (weights 1, 2, 3): fair sharing, priority
@@ -142,7 +151,8 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
                       clock=lambda: clock[0],
                       speculative=SpeculativeConfig(speculative_method=speculation, ngram_min=1,
                                                     speculative_max_batch=8,
-                                                    speculative_min_acceptance=0.0))
+                                                    speculative_min_acceptance=0.0),
+                      staging_words=staging_words)
     worker = FakeWorker(bs, eos_every)
     inflight: deque[tuple[StepPlan, StepResult]] = deque()
     outputs: dict[str, list[int]] = {}
@@ -161,11 +171,20 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
                 ended[out.request_id] = out.finish_reason
         check_blocks(sched.blocks, sched.requests.values())
 
+    def end(outs: list[RequestOutput]) -> None:
+        for out in outs:
+            assert out.request_id not in ended and out.finish_reason == "error"
+            assert "staging words" in out.error or out.error == POISON_ERROR
+            ended[out.request_id] = "error"
+        check_blocks(sched.blocks, sched.requests.values())
+
     def step() -> None:
         clock[0] += 1.0
-        if len(inflight) == depth:
+        if len(inflight) >= (1 if sched.quarantine else depth):  # as the loop does
             finish_one()
         plan = sched.schedule()
+        end(sched.failed)
+        sched.failed = []
         if plan is None:
             if inflight:
                 finish_one()
@@ -173,13 +192,16 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
         assert sum(len(s.token_ids) for s in plan.seqs) <= budget
         assert len(plan.seqs) <= max_seqs
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs)
+        assert step_words(plan, sampling=True) <= staging_words
+        assert not sched.quarantine or len(plan.seqs) == 1
         inflight.append((plan, worker.run(plan)))
         check_blocks(sched.blocks, sched.requests.values())
 
-    for kind, prompt, a, priority in actions:
+    for kind, prompt, a, priority, bias in actions:
         if kind == "add":
             rid = f"r{next(counter)}"
-            error = sched.add(_request(rid, prompt, a, priority, clock[0], tenant=str(priority)))
+            error = sched.add(_request(rid, prompt, a, priority, clock[0], tenant=str(priority),
+                                       bias=bias))
             if error is None:
                 accepted.append(rid)
                 outputs[rid] = []
@@ -192,6 +214,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
             step()
         elif kind == "worker lost":
             # Steps in flight vanish with the worker and its cache; everything is recomputed.
+            end(sched.crashed([plan for plan, _ in inflight]))
             inflight.clear()
             worker.last_sampled = {}
             sched.restart()
@@ -211,6 +234,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
     assert not sched.has_work(), "requests were left behind"
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"worker lost: {any(a[0] == 'worker lost' for a in actions)}")
+    event(f"ended with an error: {'error' in ended.values()}")
     event(f"prefix hits: {sched.blocks.hit_tokens > 0}")
     spec = sched.spec
     event(f"proposals accepted: {spec.accepted_tokens > 0}")
@@ -224,6 +248,8 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
         truth = worker.truth[seq_of[rid]]
         assert out == truth[len(prompt) : len(prompt) + len(out)]
         assert len(out) <= max_tokens and EOS not in out[:-1]
+        if ended[rid] == "error":
+            continue
         if ended[rid] == "stop":
             assert out[-1] == EOS
         elif ended[rid] == "length":
@@ -324,3 +350,58 @@ def test_identical_prompts_share_blocks_within_one_step():
     assert [(s.start_pos, len(s.token_ids)) for s in plan.seqs] == [(0, 18), (16, 2), (16, 2)]
     first, second, _ = (sched.seqs[s.seq_id] for s in plan.seqs)
     assert first.block_table[:4] == second.block_table[:4]
+
+
+def test_a_request_in_two_crashed_steps_ends_alone_and_the_others_finish():
+    """Both were in the step that crashed; after the restart each runs alone (the newest
+    first) up to where it crashed, and the one whose step of its own crashes the worker again
+    ends with an error."""
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=32)
+    assert sched.add(_request("normal", [5] * 6, 8)) is None
+    assert sched.add(_request("poison", [9] * 6, 8)) is None
+    first = sched.schedule()
+    sched.update(first, _sampled(first, 7))
+    crashed = sched.schedule()  # a decode step of both
+    assert len(crashed.seqs) == 2 and sched.crashed([crashed]) == []
+    sched.restart()
+    alone = sched.schedule()
+    assert [s.seq_id for s in alone.seqs] == [sched.requests["poison"].seq_id]
+    (out,) = sched.crashed([alone])
+    assert (out.request_id, out.finish_reason, out.status) == ("poison", "error", 400)
+    assert "crashed the engine twice" in out.error
+    sched.restart()
+    normal = sched.requests["normal"]
+    while sched.quarantine:  # recomputed alone up to its crash point, then it rejoins
+        plan = sched.schedule()
+        assert [s.seq_id for s in plan.seqs] == [normal.seq_id]
+        sched.update(plan, _sampled(plan, 7))
+    assert _drain(sched) == {"normal": "length"}
+    assert sched.blocks.num_free == 32
+
+
+def test_a_step_is_never_planned_past_the_staging_buffer():
+    """Requests with big logit_bias tables share steps only as far as the buffer holds them;
+    one that would not fit even alone ends with a 400 naming the staging words."""
+    words = 400  # a 40-entry bias is about 100 words a sampling row
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=64,
+                      staging_words=words)
+    for i in range(6):
+        assert sched.add(_request(f"r{i}", [3 + i] * 5, 4, bias=40)) is None
+    assert sched.add(_request("huge", [1] * 5, 4, bias=200)) is None
+    done: dict[str, str] = {}
+    sizes = []
+    while sched.has_work():
+        plan = sched.schedule()
+        for out in sched.failed:
+            done[out.request_id] = out.error
+        sched.failed = []
+        if plan is None:
+            continue
+        sizes.append(len(plan.seqs))
+        assert step_words(plan) <= words
+        for o in sched.update(plan, _sampled(plan, 7)):
+            if o.finish_reason:
+                done[o.request_id] = o.finish_reason
+    assert "staging words" in done.pop("huge")
+    assert done == {f"r{i}": "length" for i in range(6)}
+    assert 1 < max(sizes) < 6  # batched, but not all six at once

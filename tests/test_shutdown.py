@@ -176,6 +176,32 @@ def test_worker_killed_midway_is_replaced_and_streams_finish_identically(tmp_pat
         assert server.stop() == 0, server.output()
 
 
+@pytest.mark.slow
+def test_deterministic_bf16_recovery_and_batching_give_the_same_text(tmp_path):
+    """In bf16 a recomputed prefill rounds differently from the decode steps it replaces;
+    --deterministic makes every token's attention independent of its step, so a kill -9 under
+    16 streams, and a request run alone, both give the undisturbed batch's text."""
+    import threading
+
+    server = ServerProcess("--deterministic", dtype="bfloat16",
+                           env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    try:
+        undisturbed = [t for t, _ in _streams(server, 16, 48)]
+        alone = [t for t, _ in _streams(server, 1, 48)]
+        assert alone[0] == undisturbed[0]
+        worker = _worker_pid(server)
+        killer = threading.Timer(3.0, os.kill, (worker, signal.SIGKILL))
+        killer.start()
+        disturbed = [t for t, _ in _streams(server, 16, 48)]
+        killer.join()
+        assert _worker_pid(server) != worker
+        same = sum(a == b for a, b in zip(disturbed, undisturbed, strict=True))
+        print(f"\n  bf16 --deterministic, worker killed after 3 s: {same}/16 texts as undisturbed")
+        assert disturbed == undisturbed
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 def test_worker_dying_too_often_ends_every_request_with_503(tmp_path):
     server = ServerProcess("--max-worker-restarts", "0",
                            env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()

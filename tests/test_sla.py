@@ -276,6 +276,36 @@ def test_global_queue_bounds_answer_at_once_with_a_measured_retry_after():
     assert refusal is not None and refusal.status == 400
 
 
+def _group(n: int, tenant: str = "default") -> list[EngineRequest]:
+    """n choices of one API request."""
+    return [EngineRequest(request_id=f"g{n}-{i}", prompt_token_ids=[7] * 10, arrival_time=0.0,
+                          tenant=tenant, sampling=SamplingParams(max_tokens=8))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize(("bound", "cfg", "tenants"), [
+    ("max_queued_requests", _cfg(max_num_seqs=1, max_queued_requests=6), {}),
+    ("max_queued_tokens", _cfg(max_num_seqs=1, max_queued_tokens=60), {}),
+    ("max_queued", _cfg(max_num_seqs=1), {"t": TenantConfig(max_queued=6)}),
+    ("max_concurrent", _cfg(max_num_seqs=1), {"t": TenantConfig(max_concurrent=6)}),
+    ("requests_per_min", _cfg(max_num_seqs=1), {"t": TenantConfig(requests_per_min=6)}),
+])
+def test_the_choices_of_one_request_are_admitted_as_a_unit(bound, cfg, tenants):
+    """With room for 6 requests and 2 taken, 5 choices are refused together (nothing queued,
+    no quota taken), 4 are admitted together; more than the bound itself is a 400."""
+    sim = Sim(cfg, tenants)
+    tenant = "t" if tenants else "default"
+    assert sim.sched.add_all(_group(2, tenant)) == []
+    refused = sim.sched.add_all(_group(5, tenant))
+    assert [r.request_id for r in refused] == [f"g5-{i}" for i in range(5)]
+    assert all(r.status == 429 and bound in r.error for r in refused), refused
+    assert len(sim.sched.requests) == 2
+    assert sim.sched.add_all(_group(4, tenant)) == []  # so the refusal took no quota
+    assert len(sim.sched.requests) == 6
+    never = Sim(cfg, tenants).sched.add_all(_group(7, tenant))
+    assert all(r.status == 400 and bound in r.error for r in never), never
+
+
 def test_retry_after_an_idle_spell_comes_from_recent_service():
     """A queue that fills right after a long idle spell is measured by what it drains now, not
     over a window spent mostly idle (that read a trickle: Retry-After up to 30 s)."""

@@ -109,7 +109,7 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     assert _gained(start) == gained
 
     # `surge admin stats` answers with the same fields as /stats, less the message tag.
-    reply, _ = admin.handle(AdminRequest("stats"), cfg, snap)
+    reply, _ = admin.handle(AdminRequest("stats"), cfg, snap, {})
     builtins = msgspec.to_builtins(snap)
     assert builtins.pop("type") == "EngineStats" and reply.values == builtins
 

@@ -39,7 +39,8 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("tenants")
     (root / "surge.toml").write_text(CONFIG)
     keys = KeyStore(str(root / "keys.json"))
-    found = {name: keys.add(name)[1] for name in ("batch", "interactive", "limited")}
+    found = {name: keys.add(name)[1]
+             for name in ("batch", "interactive", "limited", "admin")}
     return {"root": root, "keys": found, "env": {**os.environ, "XDG_RUNTIME_DIR": str(root)}}
 
 
@@ -151,7 +152,10 @@ def test_live_limits_and_metrics(server, env):
         assert _complete(_client(server, env["keys"]["interactive"]))
     deadline = time.monotonic() + 10
     while True:  # the scheduler exports its figures about once a second
-        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        # With API keys, /metrics names tenants only to the admin tenant (or the metrics key).
+        scrape = urllib.request.Request(f"{server.url}/metrics", headers={
+            "Authorization": f"Bearer {env['keys']['admin']}"})
+        with urllib.request.urlopen(scrape, timeout=10) as r:
             samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                        for f in text_string_to_metric_families(r.read().decode())
                        for s in f.samples}

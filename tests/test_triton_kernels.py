@@ -4,7 +4,7 @@ Triton's interpreter. Each kernel's buffers start as NaN, so an element it leave
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
@@ -156,14 +156,6 @@ def test_attention_in_half_precision_with_int32_indices(monkeypatch: pytest.Monk
     _close(_poisoned(DECODE_TRITON, *decode), DECODE(*decode))
 
 
-@pytest.fixture
-def triton_kernels() -> Iterator[None]:
-    kernels.use_triton(True)
-    assert kernels.decode_attention is attention_triton.decode_attention
-    yield
-    kernels.use_triton(False)
-
-
 def _step(seqs: list[tuple[list[int], int, list[int]]], block_size: int
           ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) on DEVICE for (token ids, first position, block table)
@@ -206,7 +198,7 @@ def _two_steps(model: LlamaModel, block_size: int) -> tuple[list[torch.Tensor], 
 
 
 @torch.inference_mode()
-def test_model_forward_matches_reference_kernels(triton_kernels: None) -> None:
+def test_model_forward_matches_reference_kernels() -> None:
     """A tiny random Llama (grouped-query heads) through mixed prefill and decode steps."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
@@ -216,8 +208,10 @@ def test_model_forward_matches_reference_kernels(triton_kernels: None) -> None:
     for p in model.parameters():
         p.normal_(0.0, 0.3)
     model.to(DEVICE).init_rope()
+    model.ops = kernels.for_device(DEVICE, "triton")
+    assert model.ops.decode_attention is attention_triton.decode_attention
     got, got_cache = _two_steps(model, 4)
-    kernels.use_triton(False)
+    model.ops = kernels.for_device(DEVICE, "reference")
     want, want_cache = _two_steps(model, 4)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

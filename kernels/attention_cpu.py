@@ -1,0 +1,44 @@
+"""Paged attention through the C++ kernel (kernels/cpu/attention.cpp): K/V read in place, one
+row per query, the same signatures as kernels.attention's."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.cpu import extension
+
+
+class DecodePlan(NamedTuple):
+    tables: torch.Tensor  # [B, max_blocks]
+    seq_of: torch.Tensor  # [B]: row i reads table i
+    visible: torch.Tensor  # [B]: the context each sees
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
+                shared_blocks: int = 0) -> DecodePlan:
+    """shared_blocks is accepted for the reference's signature; shared blocks are read once
+    per query (no cascade yet)."""
+    rows = torch.arange(block_tables.shape[0], device=block_tables.device)
+    return DecodePlan(block_tables, rows, context_lens)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan, scale: float) -> torch.Tensor:
+    return extension().paged_attention(q, k_cache, v_cache, plan.tables, plan.seq_of,
+                                       plan.visible, scale)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
+    max_query_len: int, scale: float,
+) -> torch.Tensor:
+    lens = query_start[1:] - query_start[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
+    # Token j of chunk i is at position context_lens[i] - (query_start[i + 1] - j), and sees
+    # every key up to and including it.
+    visible = context_lens[seq_of] - query_start[1:][seq_of] + 1 + torch.arange(
+        q.shape[0], device=q.device)
+    return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale)

@@ -1,0 +1,43 @@
+"""The C++ CPU kernels (ATen + OpenMP), compiled on first use for this machine's CPU and cached
+in the virtual environment (`make` builds them ahead: see kernels.cpu.build)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp")
+
+
+def build_dir() -> Path:
+    """Inside the virtual environment: one build per environment (and per machine, as CI's
+    clean clone is), never written into the source tree."""
+    return Path(os.environ.get("SURGE_KERNEL_BUILD_DIR", Path(sys.prefix) / "surge-cpu-kernels"))
+
+
+@cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None (with one warning naming why) where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).parent
+    build_dir().mkdir(parents=True, exist_ok=True)
+    # The ninja that pip installed beside this interpreter, when the caller's PATH lacks it.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        return cpp_extension.load(
+            name="surge_cpu_kernels", sources=[str(here / s) for s in _SOURCES],
+            build_directory=str(build_dir()),
+            # -march=native: the build is per machine, so it uses what this CPU has (AVX-512,
+            # AVX2, ...) without a dispatch table of our own.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except (OSError, RuntimeError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"the C++ CPU kernels did not build ({first}); using the PyTorch "
+                      "reference kernels", stacklevel=2)
+        return None

@@ -1,0 +1,119 @@
+// Paged attention on the CPU, reading K/V blocks where they lie in the cache (no gather copy).
+// Every query row carries its own sequence (a block table row) and how many keys it sees, so one
+// kernel serves decode rows and prefill chunks alike. A (query, KV head) pair is one unit of work:
+// one pass over its keys serves the whole group of query heads (grouped-query attention), with an
+// online softmax in float32, in key order: a row's result does not depend on the batch.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// To float32; bfloat16 by a shift of its bits, which the compiler vectorizes (the c10 type's
+// own conversion it does not).
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) dst[x] = static_cast<float>(src[x]);
+}
+
+template <>
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t x = 0; x < n; ++x) out[x] = static_cast<uint32_t>(bits[x]) << 16;
+}
+
+template <typename T>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+            int64_t table_stride, const int64_t* seq_of, const int64_t* visible, T* out,
+            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
+            int64_t block_size, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), kf(block_size * dim),
+        vf(block_size * dim), s(block_size), m(group), l(group);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t i = work / kv_heads, kh = work % kv_heads;
+      const int64_t* table = tables + seq_of[i] * table_stride;
+      const int64_t context = visible[i];
+      const T* qi = q + (i * heads + kh * group) * dim;
+      widen(qi, qf.data(), group * dim);
+      for (int64_t x = 0; x < group * dim; ++x) qf[x] *= scale;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (int64_t start = 0; start < context; start += block_size) {
+        const int64_t n = std::min(block_size, context - start);
+        const int64_t offset = ((kh * num_blocks + table[start / block_size]) * block_size) * dim;
+        // The block once in float32, shared by every head of the group.
+        widen(k_cache + offset, kf.data(), n * dim);
+        widen(v_cache + offset, vf.data(), n * dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float top = m[g];
+          for (int64_t t = 0; t < n; ++t) {
+            const float* kt = kf.data() + t * dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kt[d];
+            s[t] = dot;
+            top = std::max(top, dot);
+          }
+          const float alpha = std::exp(m[g] - top);
+          float* ag = acc.data() + g * dim;
+          float sum = l[g] * alpha;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] *= alpha;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = std::exp(s[t] - top);
+            sum += p;
+            const float* vt = vf.data() + t * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * vt[d];
+          }
+          l[g] = sum;
+          m[g] = top;
+        }
+      }
+      T* oi = out + (i * heads + kh * group) * dim;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          oi[g * dim + d] = static_cast<T>(acc[g * dim + d] / l[g]);
+    }
+  });
+}
+
+}  // namespace
+
+// q [rows, H, D]; k_cache, v_cache [KVH, num_blocks, block_size, D]; block_tables [S, max_blocks]
+// (int64); seq_of [rows]: each row's table; visible [rows]: the keys it sees (>= 1).
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_of, const torch::Tensor& visible,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, H, D], caches [KVH, N, BS, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
+  auto qc = q.contiguous();
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto seqs = seq_of.to(torch::kInt64).contiguous();
+  auto seen = visible.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(qc);
+  const int64_t rows = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention",
+                                  [&] {
+    attend<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                     v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), tables.size(1),
+                     seqs.data_ptr<int64_t>(), seen.data_ptr<int64_t>(),
+                     out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, num_blocks,
+                     k_cache.size(2), static_cast<float>(scale));
+  });
+  return out;
+}

@@ -1,0 +1,15 @@
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_of, const torch::Tensor& visible,
+                              double scale);
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                        const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention, one row per query");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+}

@@ -1,0 +1,96 @@
+"""The C++ CPU kernels against their PyTorch references (kernels/cpu/), over hypothesis-drawn
+shapes: block sizes, grouped-query ratios, head sizes, ragged lengths, padded tables whose
+extra blocks hold other sequences' keys, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import attention, attention_cpu, rmsnorm, rmsnorm_cpu
+from kernels.cpu import extension
+from tests.inprocess import InProcessEngine
+from tests.prompts import reference_prompts
+from tests.test_kernels import _paged
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def test_the_extension_builds_where_a_compiler_exists():
+    """CI fails here, not by a quiet fallback, if the C++ backend did not build."""
+    assert extension() is not None or shutil.which("c++") is None
+
+
+shapes = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),
+                   st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.bfloat16]),
+                   st.lists(st.integers(1, 80), min_size=1, max_size=5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_decode_attention(shape):
+    block_size, (h, kvh), d, dtype, lengths = shape
+    k_cache, v_cache, tables, _, _ = _paged(lengths, block_size, kvh, d, num_blocks=512)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    # Unwritten slots hold 1e4 (see _paged): in bf16 they would swamp any leak, as intended.
+    q = torch.randn(len(lengths), h, d).to(dtype)
+    lens = torch.tensor(lengths)
+    want = attention.decode_attention(q, k_cache, v_cache,
+                                      attention.plan_decode(tables, lens, k_cache), 0.3)
+    got = attention_cpu.decode_attention(q, k_cache, v_cache,
+                                         attention_cpu.plan_decode(tables, lens, k_cache), 0.3)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes, st.data())
+def test_prefill_attention_with_cached_context(shape, data):
+    block_size, (h, kvh), d, dtype, context = shape
+    query = [data.draw(st.integers(1, n)) for n in context]
+    k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=512)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(query), h, d).to(dtype)
+    args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
+            torch.tensor(context), max(query), 0.25)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(attention_cpu.prefill_attention(*args),
+                               attention.prefill_attention(*args), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 576, 1000])
+def test_rms_norms(dtype, width):
+    x, residual = torch.randn(7, width).to(dtype), torch.randn(7, width).to(dtype)
+    weight = (torch.rand(width) + 0.5).to(dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(rmsnorm_cpu.rms_norm(x, weight, 1e-6),
+                               rmsnorm.rms_norm(x, weight, 1e-6), rtol=tol, atol=tol)
+    got = rmsnorm_cpu.add_rms_norm(x, residual, weight, 1e-6)
+    want = rmsnorm.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the sum, rounded the same
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+
+
+def test_the_model_on_the_cpu_backend_keeps_the_reference_tokens(engine_model, tokenizer,
+                                                                  reference):
+    """Greedy tokens in float32 through the C++ kernels, with chunked prefill and strangers in
+    the batch, are transformers' own (four of the reference prompts, to stay quick)."""
+    prompts = dict(list(reference_prompts(tokenizer).items())[:4])
+    engine_model.ops = kernels.for_device(torch.device("cpu"), "cpu")
+    try:
+        engine = InProcessEngine(engine_model, max_num_batched_tokens=37)
+        for name, ids in prompts.items():
+            engine.add(name, ids, 32)
+        for i, n in enumerate((1, 50, 130)):
+            engine.add(f"stranger{i}", [100 + 7 * j for j in range(n)], 20)
+        got = engine.run()
+    finally:
+        engine_model.ops = kernels.REFERENCE
+    for name, ids in prompts.items():
+        assert got[name] == reference.greedy(ids, 32), name
