@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.parallel import TensorParallel
+from surge.log import show_progress
 from surge.model_files import ModelFiles, gguf_metadata, hf_config
 
 _GGUF_NAMES = {
@@ -102,7 +103,8 @@ def _gguf_tensors(path: str, cfg: LlamaConfig
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(path)
-    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False):
+    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False,
+                 disable=not show_progress()):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         short = m.group(2) if m else t.name
         if short not in _GGUF_NAMES:
@@ -126,7 +128,8 @@ def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, Blocks | None
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
-    for file in tqdm(files, desc="loading weights", unit="file", leave=False):
+    for file in tqdm(files, desc="loading weights", unit="file", leave=False,
+                     disable=not show_progress()):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name), None

@@ -15,6 +15,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.stats import StatsCollector
 from shm.ring import RingBuffer, RingClosed
 from surge.config import SurgeConfig
+from surge.model_files import served_name
 from surge.process import child_setup
 from surge.protocol import (
     AbortRequest,
@@ -72,7 +73,7 @@ class SchedulerLoop:
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
         self.kernels = ""  # the workers' kernel backend (WorkerReady.kernels), for admin get
-        self.stats = StatsCollector()
+        self.stats = StatsCollector(served_name(cfg.model.served_model_name, cfg.model.model))
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
         self._stalled = False  # work is queued but nothing could be planned

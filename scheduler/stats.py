@@ -13,17 +13,31 @@ from surge import metrics
 from surge.config import LIVE_SECTION, SurgeConfig
 from surge.protocol import EngineStats, RequestOutput, StepPlan, StepResult
 
-# The snapshot's running totals that Prometheus counters follow.
-_COUNTERS = (("prefix_queried_tokens", metrics.prefix_queries),
-             ("prefix_hit_tokens", metrics.prefix_hits),
-             ("preemptions", metrics.preemptions),
-             ("spec_proposed_tokens", metrics.spec_proposed),
+# The snapshot's running totals that Prometheus counters follow (per model, engine-wide).
+_MODEL_COUNTERS = (("generated_tokens", metrics.generated_tokens),
+                   ("prefix_queried_tokens", metrics.prefix_queries),
+                   ("prefix_hit_tokens", metrics.prefix_hits),
+                   ("preemptions", metrics.preemptions))
+_COUNTERS = (("spec_proposed_tokens", metrics.spec_proposed),
              ("spec_accepted_tokens", metrics.spec_accepted),
              ("spec_verifications", metrics.spec_verifications))
+# Every limit admission can refuse for, so each tenant's rejection series starts at 0.
+_LIMITS = ("max_concurrent", "max_queued", "max_queued_requests", "max_queued_tokens",
+           "requests_per_min", "tokens_per_min", "timeout")
 
 
 class StatsCollector:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        # Created now, so every series reads 0 from the start rather than "No data".
+        self.counters: list[tuple[str, Counter]] = [
+            *((name, counter.labels(model_name)) for name, counter in _MODEL_COUNTERS),
+            *_COUNTERS]
+        self.running = metrics.running.labels(model_name)
+        self.kv_used = metrics.kv_blocks_used.labels(model_name)
+        self.kv_total = metrics.kv_blocks_total.labels(model_name)
+        self.kv_usage = metrics.kv_usage.labels(model_name)
+        self.queue_wait = metrics.queue_wait.labels(model_name)
         self.steps = 0
         self.scheduled_tokens = 0
         self.generated_tokens = 0
@@ -67,18 +81,19 @@ class StatsCollector:
     def export(self, stats: EngineStats, sched: Scheduler, cfg: SurgeConfig) -> None:
         """Set the Prometheus metrics: the engine-wide ones from the snapshot, the labelled
         ones from the scheduler and cfg in the same pass."""
-        metrics.running.set(stats.running)
+        self.running.set(stats.running)
         metrics.queued_tokens.set(stats.queued_tokens)
-        metrics.kv_blocks_used.set(stats.kv_blocks_used)
-        metrics.kv_blocks_total.set(stats.kv_blocks_total)
-        for name, counter in _COUNTERS:
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        for name, counter in self.counters:
             self._advance(counter, name, getattr(stats, name))
         if stats.spec_proposed_tokens:
             metrics.spec_acceptance.set(stats.spec_accepted_tokens / stats.spec_proposed_tokens)
             metrics.spec_accepted_length.set(
                 stats.spec_accepted_tokens / stats.spec_verifications + 1)
         for wait_s in sched.queue_waits:
-            metrics.queue_wait.observe(wait_s)
+            self.queue_wait.observe(wait_s)
         sched.queue_waits.clear()
         # The labelled series stay out of the snapshot: their labels are open-ended (tenant
         # names, client-chosen priorities), folded and zeroed as only Prometheus needs, and the
@@ -94,19 +109,24 @@ class StatsCollector:
         self._exported[series] = total
 
     def _export_queues(self, sched: Scheduler) -> None:
-        # A (priority, tenant) queue that emptied reads 0 rather than its last count.
-        queued: dict[tuple[str, str], int] = dict.fromkeys(self._queues_seen, 0)
+        # A (priority, tenant) queue that emptied reads 0 rather than its last count, and
+        # each known tenant's default queue reads 0 before anything waits in it.
+        known = {"default", *sched.admission.tenant_cfgs, *sched.admission.tenants}
+        queued: dict[tuple[str, str], int] = dict.fromkeys(
+            self._queues_seen | {(_priority_label(sched.admission.limits(name).priority), name)
+                                 for name in known}, 0)
         for seq in sched.waiting:
-            # Clients choose priorities: far-out values share one label, so series stay few.
-            label = str(seq.priority) if -100 <= seq.priority <= 100 else "other"
-            key = (label, seq.tenant.name)
+            key = (_priority_label(seq.priority), seq.tenant.name)
             queued[key] = queued.get(key, 0) + 1
         for (priority, tenant), count in queued.items():
-            metrics.waiting.labels(priority, tenant).set(count)
+            metrics.waiting.labels(self.model, priority, tenant).set(count)
         self._queues_seen |= set(queued)
 
     def _export_tenants(self, sched: Scheduler) -> None:
         admission = sched.admission
+        for name in {"default", *admission.tenant_cfgs, *admission.tenants}:
+            for limit in _LIMITS:
+                metrics.rejected.labels(name, limit)
         for (tenant, limit), count in admission.rejected.items():
             self._advance(metrics.rejected.labels(tenant, limit), f"rejected {tenant} {limit}",
                           count)
@@ -114,6 +134,11 @@ class StatsCollector:
             self._advance(metrics.tenant_served.labels(name), f"served {name}",
                           tenant.served_tokens)
             metrics.tenant_running.labels(name).set(tenant.num_running)
+
+
+def _priority_label(priority: int) -> str:
+    # Clients choose priorities: far-out values share one label, so series stay few.
+    return str(priority) if -100 <= priority <= 100 else "other"
 
 
 def _export_limits(sched: Scheduler, cfg: SurgeConfig) -> None:

@@ -18,15 +18,20 @@ from server.connections import ConnectionGuard, connection_limit
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
-from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.tools import ToolCallParser, tools_on
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
-from surge import metrics
+from surge import __version__, metrics
 from surge.config import ServerConfig
-from surge.keys import KeyStore
+from surge.keys import Keys
 
 log = logging.getLogger("surge.frontend")
 _json = msgspec.json.Encoder()
@@ -34,8 +39,9 @@ _json = msgspec.json.Encoder()
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
-                 max_model_len: int, cfg: ServerConfig) -> None:
+                 max_model_len: int, cfg: ServerConfig, root: str) -> None:
         self.cfg = cfg
+        self.root = root  # the model's path, shown by /v1/models as vLLM does
         self.tokenizer = tokenizer
         self.engine = engine
         self.translator = RequestTranslator(tokenizer, engine, model_name, max_model_len,
@@ -47,6 +53,7 @@ class Frontend:
         self.sockets = OpenSockets()
         self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
                                            cfg.header_timeout_s)
+        metrics.frontend_series(model_name)
 
     # ---- endpoints ----
 
@@ -79,7 +86,8 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant)
+        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
+                       self.translator.model_name, len(streams))
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
@@ -155,7 +163,23 @@ class Frontend:
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{
             "id": self.translator.model_name, "object": "model", "created": self.created,
-            "owned_by": "surge", "max_model_len": self.translator.max_model_len}]})
+            "owned_by": "surge", "root": self.root, "parent": None,
+            "max_model_len": self.translator.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids a prompt or a chat would be served with."""
+        body = self.translator.decode_body(await self.read_body(request), TokenizeRequest)
+        ids = await self.translator.tokenize(body)
+        strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return self._json({"count": len(ids), "max_model_len": self.translator.max_model_len,
+                           "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = self.translator.decode_body(await self.read_body(request), DetokenizeRequest)
+        return self._json({"prompt": self.translator.detokenize(body)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return self._json({"version": __version__})
 
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
@@ -163,7 +187,7 @@ class Frontend:
         return self._json({} if stats is None else msgspec.to_builtins(stats))
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        body, content_type = metrics.exposition()
+        body, content_type = metrics.exposition(self.cfg.metrics_compat)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -214,9 +238,10 @@ class Frontend:
         return web.Response(body=_json.encode(payload), content_type="application/json")
 
 
-async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str
-                  ) -> AsyncIterator[Piece]:
-    """One log line per finished request: id, outcome, token counts, timings (no text)."""
+async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
+                  model: str, choices: int) -> AsyncIterator[Piece]:
+    """One log line per finished request: id, outcome, token counts, timings (no text); its
+    metrics, a cancelled or failed request's too."""
     started = time.monotonic()
     first: float | None = None
     last = started
@@ -229,22 +254,26 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
                 now = time.monotonic()
                 if first is None:
                     first = now
-                    metrics.ttft.observe(now - started)
+                    metrics.ttft.labels(model).observe(now - started)
                 else:
-                    metrics.itl.observe(now - last)
+                    metrics.itl.labels(model).observe(now - last)
                 last = now
                 generated += piece.num_tokens
                 if piece.finish_reason:
                     reasons.append(piece.finish_reason)
                 yield piece
         outcome = "ok"
-        metrics.e2e.observe(time.monotonic() - started)
-        metrics.prompt_tokens.inc(prompt_tokens)
-        metrics.generated_tokens.inc(generated)
+        metrics.e2e.labels(model).observe(time.monotonic() - started)
     except ApiError as e:
         outcome = f"error {e.status}"
         raise
     finally:
+        metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+        for reason in reasons:
+            metrics.request_success.labels(model, reason).inc()
+        # Choices that did not finish: the client left (or cancelled), or an error ended them.
+        unfinished = "error" if outcome.startswith("error") else "abort"
+        metrics.request_success.labels(model, unfinished).inc(choices - len(reasons))
         log.info("request %s", outcome, extra={
             "request_id": rid, "tenant": tenant, "finish_reason": ",".join(reasons) or None,
             "prompt_tokens": prompt_tokens, "completion_tokens": generated,
@@ -278,7 +307,7 @@ def _work_middleware(frontend: Frontend) -> Any:
 
 def build_app(frontend: Frontend) -> web.Application:
     max_body_bytes = frontend.cfg.max_body_bytes
-    keys = KeyStore(frontend.cfg.api_keys_file) if frontend.cfg.api_keys_file else None
+    keys = Keys.of(frontend.cfg.api_key, frontend.cfg.api_keys_file)
     app = web.Application(middlewares=[frontend.connections.middleware(), error_middleware,
                                        auth_middleware(keys, frontend.cfg),
                                        _work_middleware(frontend)],
@@ -287,6 +316,9 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
     app.router.add_get("/stats", frontend.stats)
+    app.router.add_get("/version", frontend.version)
+    app.router.add_post("/tokenize", frontend.tokenize)
+    app.router.add_post("/detokenize", frontend.detokenize)
     app.router.add_get("/metrics", frontend.prometheus)
     app.router.add_post("/v1/completions", frontend.completions)
     app.router.add_post("/v1/chat/completions", frontend.chat_completions)

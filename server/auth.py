@@ -1,6 +1,7 @@
-"""API keys: with a keys file, every /v1/ request must carry a valid key, which names its
-tenant; without one, every request belongs to the default tenant. /metrics and /stats, which
-name tenants, take the metrics key or a key of the admin tenant (see _check_operator)."""
+"""API keys: with --api-key or a keys file, every /v1/ request must carry a valid key, which
+names its tenant; without either, every request belongs to the default tenant. /metrics and
+/stats, which name tenants, take the metrics key or a key of the admin tenant (see
+_check_operator)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from aiohttp import web
 
 from server.errors import ApiError
 from surge.config import ServerConfig
-from surge.keys import KeyStore
+from surge.keys import Keys
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
@@ -30,7 +31,7 @@ def _bearer(request: web.Request) -> str:
     return key
 
 
-def _tenant(keys: KeyStore, key: str) -> str:
+def _tenant(keys: Keys, key: str) -> str:
     tenant = keys.tenant_for(key)
     if tenant is None:
         raise ApiError(401, "the API key is not valid on this server (it may have been "
@@ -38,7 +39,7 @@ def _tenant(keys: KeyStore, key: str) -> str:
     return tenant
 
 
-def _check_operator(request: web.Request, keys: KeyStore | None, cfg: ServerConfig) -> None:
+def _check_operator(request: web.Request, keys: Keys | None, cfg: ServerConfig) -> None:
     """For /metrics and /stats: with metrics_auth=keys and a keys file or a metrics key, only
     the metrics key or a key of the admin tenant passes."""
     metrics_key = (cfg.metrics_key or "").encode()
@@ -54,7 +55,7 @@ def _check_operator(request: web.Request, keys: KeyStore | None, cfg: ServerConf
                             f"of the admin tenant (admin_tenant)", code="not_admin_tenant")
 
 
-def auth_middleware(keys: KeyStore | None, cfg: ServerConfig) -> Middleware:
+def auth_middleware(keys: Keys | None, cfg: ServerConfig) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         request["tenant"] = "default"

@@ -15,7 +15,7 @@ from server.engine_client import EngineClient
 from server.tokenizer import Tokenizer
 from surge.config import SurgeConfig
 from surge.grammar import write_tokenizer
-from surge.model_files import default_name, max_model_len, resolve_model
+from surge.model_files import max_model_len, resolve_model, served_name, tokenizer_files
 from surge.process import child_setup
 from surge.runtime import Channels
 
@@ -27,14 +27,15 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     files = resolve_model(cfg.model.model)
-    tokenizer = Tokenizer(files)
+    tokenizer = Tokenizer(tokenizer_files(cfg.model.model, cfg.model.tokenizer))
     write_tokenizer(tokenizer.hf, tokenizer.eos_token_ids, channels.runtime_dir)
     engine = EngineClient(channels)
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,
                             "the scheduler stopped unexpectedly; retry the request")
-    frontend = Frontend(tokenizer, engine, cfg.model.served_model_name or default_name(files),
-                        max_model_len(files), cfg.server)
+    frontend = Frontend(tokenizer, engine, served_name(cfg.model.served_model_name,
+                                                       cfg.model.model),
+                        max_model_len(files), cfg.server, root=files.path)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
     runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0,

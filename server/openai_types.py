@@ -152,3 +152,20 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
     parallel_tool_calls: bool = True
+
+
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's POST /tokenize: a prompt, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    # False by default: /v1/completions adds no special tokens, and the count must be its count.
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[TokenId]

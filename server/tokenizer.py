@@ -16,9 +16,9 @@ class Tokenizer:
         self.eos_token_ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
         self.vocab_size = len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Raw prompts get exactly the tokens of their text (no BOS), as the model card expects.
-        return self.hf(text, add_special_tokens=False).input_ids
+        return self.hf(text, add_special_tokens=add_special_tokens).input_ids
 
     @property
     def template_takes_tools(self) -> bool:
@@ -26,7 +26,9 @@ class Tokenizer:
         return "tools" in (self.hf.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                            tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        text = self.hf.apply_chat_template(messages, tools=tools,
+                                           add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
         return self.encode(text)

@@ -6,6 +6,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -14,7 +15,12 @@ from jinja2 import TemplateError
 from server import tools
 from server.engine_client import EngineClient
 from server.errors import ApiError
-from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from server.structured import Grammars, constraint_of
 from server.tokenizer import Tokenizer
 from surge.protocol import EngineRequest, SamplingParams
@@ -24,6 +30,7 @@ Body = CompletionRequest | ChatCompletionRequest
 # Prompts longer than this many characters are tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
 class RequestTranslator:
@@ -47,7 +54,9 @@ class RequestTranslator:
         except msgspec.ValidationError as e:
             path = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else ""
             unknown = _UNKNOWN_FIELD.search(str(e))
-            param = path.split("[")[0].split(".")[0] or (unknown and unknown.group(1))
+            missing = _MISSING_FIELD.search(str(e))
+            param = path.split("[")[0].split(".")[0] or (unknown and unknown.group(1)) or (
+                missing and missing.group(1))
             hint = "; surge does not implement this field, so it is refused rather than " \
                    "ignored (the README's API section lists what is)" if unknown else ""
             raise ApiError(400, f"invalid request: {e}{hint}", param=param or None) from None
@@ -68,13 +77,32 @@ class RequestTranslator:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return ([await self._chat_prompt(body)], body.max_completion_tokens or body.max_tokens,
+        return ([await self._chat_prompt(body)],
+                body.max_completion_tokens or body.max_tokens,
                 logprobs)
 
     async def grammar(self, body: Body) -> str | None:
         """The compiled grammar of the body's constraint (None: free text)."""
         c = constraint_of(body)
         return None if c is None else await self.grammars.compile(c)
+
+    async def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """The token ids of a /tokenize body's prompt or messages."""
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt (a string) or messages (a chat), not both "
+                                "or neither", param="prompt")
+        if body.messages is not None:
+            return await self._chat_prompt(ChatCompletionRequest(messages=body.messages),
+                                           body.add_generation_prompt)
+        assert body.prompt is not None
+        return await self._tokenize(body.prompt, body.add_special_tokens)
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        """The text of a /detokenize body's token ids."""
+        self._check_model(body.model)
+        self.check_token_ids(body.tokens, "tokens")
+        return self.tokenizer.hf.decode(body.tokens)
 
     def engine_requests(self, body: Body, rid: str, prompts: list[list[int]],
                         max_tokens: int | None, logprobs: int | None, tenant: str,
@@ -116,10 +144,13 @@ class RequestTranslator:
             return fn(arg)
         return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
 
-    async def _tokenize(self, text: str) -> list[int]:
-        return await self._off_loop_if_long(len(text), self.tokenizer.encode, text)
+    async def _tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._off_loop_if_long(
+            len(text), partial(self.tokenizer.encode, add_special_tokens=add_special_tokens),
+            text)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest,
+                           add_generation_prompt: bool = True) -> list[int]:
         for i, m in enumerate(body.messages):
             # Only an assistant turn may come without text (OpenAI: one that called tools).
             if m.content is None and m.role != "assistant":
@@ -130,7 +161,9 @@ class RequestTranslator:
         size = sum(len(m["content"]) for m in messages) + len(str(tool_defs or ""))
         try:
             return await self._off_loop_if_long(
-                size, lambda m: self.tokenizer.apply_chat_template(m, tool_defs), messages)
+                size, lambda m: self.tokenizer.apply_chat_template(m, tool_defs,
+                                                                   add_generation_prompt),
+                messages)
         except (ValueError, TemplateError) as e:
             raise ApiError(400, f"the model's chat template refused these messages: {e}",
                            param="messages") from None
@@ -149,10 +182,10 @@ class RequestTranslator:
         else:
             raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
                                 "either (not a mix)", param="prompt")
-        self._check_token_ids([t for p in prompts for t in p], "prompt")
+        self.check_token_ids([t for p in prompts for t in p], "prompt")
         return prompts
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
+    def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in ids):
             raise ApiError(400, f"{param} holds a token id outside the vocabulary (size "
@@ -185,7 +218,7 @@ class RequestTranslator:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens "
                                 f"({max_tokens})", param="min_tokens")
         stops = list(body.stop_token_ids or [])
-        self._check_token_ids(stops, "stop_token_ids")
+        self.check_token_ids(stops, "stop_token_ids")
         if not body.ignore_eos:
             stops += self.tokenizer.eos_token_ids
         bias: dict[int, float] = {}

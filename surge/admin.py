@@ -46,12 +46,19 @@ def _pairs(values: list[str]) -> dict[str, str]:
     return pairs
 
 
-def _persist(runtime_dir: str, values: dict[str, object]) -> str:
-    """Write values into the server's config file (their own section, or [tenants.NAME])."""
+def _config_path(runtime_dir: str) -> str:
+    """The server's config file, which --persist writes to."""
     path = recorded(runtime_dir, "config")
     if path is None:
-        raise ValueError("the server has no config file to persist to (start it with "
-                         "--config FILE)")
+        raise ValueError("--persist needs the server's config file, and this server was "
+                         "started without --config; nothing was changed (start it with "
+                         "--config FILE, or drop --persist)")
+    return path
+
+
+def _persist(runtime_dir: str, values: dict[str, object]) -> str:
+    """Write values into the server's config file (their own section, or [tenants.NAME])."""
+    path = _config_path(runtime_dir)
     with open(path, "rb") as f:
         data = tomllib.load(f)
     for key, value in values.items():
@@ -80,7 +87,7 @@ def _toml(data: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
+def histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
     """Each surge histogram's cumulative buckets [(upper bound, count)], read from the
     server's own metric files (so no metrics key is needed when API keys guard /metrics)."""
     from prometheus_client import CollectorRegistry
@@ -91,7 +98,7 @@ def _histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and set(sample.labels) == {"le"}:
+            if sample.name.endswith("_bucket") and set(sample.labels) <= {"le", "model_name"}:
                 out.setdefault(family.name, []).append((float(sample.labels["le"]),
                                                         sample.value))
     return out
@@ -125,7 +132,7 @@ def _summary(runtime_dir: str) -> str:
     dt = max(b["time"] - a["time"], 1e-6)
     url = recorded(runtime_dir, "url")
     assert url is not None  # written before the scheduler starts, so before it answers
-    hist = _histograms(runtime_dir)
+    hist = histograms(runtime_dir)
 
     def pcts(name: str) -> str:
         p50, p95 = (quantile(hist.get(name, []), q) for q in (0.5, 0.95))
@@ -145,6 +152,16 @@ def _summary(runtime_dir: str) -> str:
         f"request      {pcts('surge_request_latency_seconds')}",
         f"queue wait   {pcts('surge_queue_wait_seconds')}",
     ])
+
+
+def _table(values: dict[str, object]) -> str:
+    """NAME VALUE SECTION, aligned."""
+    rows = [("NAME", "VALUE", "SECTION")] + [
+        (name, str(v).lower() if isinstance(v, bool) else str(v),
+         "tenants" if name.startswith("tenants.") else section_of(name))
+        for name, v in values.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows)
 
 
 def _keys_file(args: argparse.Namespace) -> str:
@@ -222,13 +239,33 @@ def run_admin(args: argparse.Namespace) -> int:
     if args.action == "stats":
         print(_summary(runtime_dir))
         return 0
+    if args.action == "top":
+        from surge.admin_top import run_top
+
+        return run_top(runtime_dir, args.iterations)
     if args.action == "set" and not values:
         print("surge admin: set needs KEY=VALUE pairs", file=sys.stderr)
         return 2
+    persist = args.persist and args.action == "set"
+    if persist:
+        try:
+            _config_path(runtime_dir)  # before anything is applied
+        except ValueError as e:
+            print(f"surge admin: {e}", file=sys.stderr)
+            return 2
     reply = ask(f"ipc://{runtime_dir}/admin", args.action, values)
-    print(json.dumps({"ok": reply.ok, "message": reply.message, "values": reply.values},
-                     indent=2))
-    if reply.ok and args.persist and args.action == "set":
+    if args.json:
+        print(json.dumps({"ok": reply.ok, "message": reply.message, "values": reply.values},
+                         indent=2))
+    elif not reply.ok:
+        print(f"surge admin: {args.action} refused, nothing changed: {reply.message}",
+              file=sys.stderr)
+    elif args.action == "set":
+        print(f"{reply.message}:")
+        print(_table({k: reply.values[k] for k in values}))
+    else:
+        print(_table(reply.values))
+    if reply.ok and persist:
         try:
             print(f"written to {_persist(runtime_dir, {k: reply.values[k] for k in values})}")
         except (ValueError, OSError, LookupError) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -12,11 +13,14 @@ import platform
 import random
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
 
+from surge.bench_text import ENDPOINTS, convert
 from surge.loadgen import closed_loop, open_loop, summarize
 
 # Random prompt tokens are drawn from here: inside the vocabulary of any Llama-family model,
@@ -139,8 +143,6 @@ def engine_stats(url: str, after: float | None = None, headers: dict | None = No
     """A surge server's running totals (/stats), fresher than `after` if given; None from
     other servers, and when API keys guard /stats and `headers` carry neither the metrics key
     nor an admin tenant's key."""
-    import time
-
     deadline = time.monotonic() + 5
     while True:
         try:
@@ -161,7 +163,10 @@ def _server_share(before: dict, after: dict) -> dict:
     compute = after["worker_compute_s"] - before["worker_compute_s"]
     return {"seconds": span, "steps": after["steps"] - before["steps"],
             "forward_share": forward / span, "step_outside_forward_share": (compute - forward)
-            / span, "outside_steps_share": 1 - compute / span}
+            / span,
+            # Steps planned ahead overlap, so their compute can add up to a little more than
+            # the span: then nothing was spent outside them.
+            "outside_steps_share": max(0.0, 1 - compute / span)}
 
 
 def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
@@ -170,29 +175,34 @@ def _levels(opts: argparse.Namespace) -> list[tuple[str, float]]:
     return [("concurrency", c) for c in opts.concurrency or [1]]
 
 
-def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) -> dict:
+def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict,
+              tokenizer: Any | None) -> dict:
+    """One load level; tokenizer: send prompts as text checked with it (None: token ids)."""
     rng = random.Random(opts.seed)
+    times: list[float] = []
     if opts.workload == "trace":
         arrivals = trace_workload(opts.trace, rng)[: opts.num_requests]
-        bodies = [b for _, b in arrivals]
+        times, bodies = [a for a, _ in arrivals], [b for _, b in arrivals]
     elif opts.workload == "chat":
         bodies = chat_workload(rng, opts.num_requests)
     else:
         bodies = fixed_workload(rng, opts.num_requests, opts.input_len, opts.output_len,
                                 opts.shared_prefix_len)
+    bodies = convert(bodies, tokenizer, opts.endpoint)
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
     label = f"{kind} {level:g}"
+    path = ENDPOINTS[opts.endpoint]
     before = engine_stats(opts.url, headers=headers)
-    with tqdm(total=len(bodies), desc=label, disable=opts.no_progress, unit="req") as bar:
+    with progress(len(bodies), label, opts.no_progress) as done:
         if kind == "rate" or opts.workload == "trace":
-            if opts.workload != "trace":
-                arrivals = poisson(rng, bodies, level)
+            arrivals = list(zip(times, bodies, strict=True)) if times else \
+                poisson(rng, bodies, level)
             results, wall = asyncio.run(open_loop(opts.url, arrivals, headers, opts.duration,
-                                                  done=bar.update))
+                                                  done=done, path=path))
         else:
             results, wall = asyncio.run(closed_loop(opts.url, bodies, int(level), headers,
-                                                    opts.duration, done=bar.update))
+                                                    opts.duration, done=done, path=path))
     result = {kind: level, **summarize(results, wall, opts.slo_ttft, opts.slo_tpot)}
     after = engine_stats(opts.url, before["time"] + wall, headers) if before else None
     if before and after:
@@ -200,18 +210,41 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict) 
     return result
 
 
+@contextlib.contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[], None]]:
+    """A callback per finished request: a bar on a terminal; into a file or a pipe, a plain
+    line at each tenth of the way (a bar's redraws would fill a log)."""
+    if quiet:
+        yield lambda: None
+    elif sys.stdout.isatty():
+        with tqdm(total=total, desc=label, unit="req") as bar:
+            yield bar.update
+    else:
+        count = [0]
+
+        def done() -> None:
+            count[0] += 1
+            if count[0] * 10 // total > (count[0] - 1) * 10 // total:
+                print(f"{label}: {count[0]}/{total} requests", flush=True)
+
+        yield done
+
+
 def _row(result: dict) -> str:
+    """One line of at most 100 columns per load level (p50/p95 of TTFT and TPOT)."""
     kind = "rate" if "rate" in result else "concurrency"
-    errors = sum(result["errors"].values())
-    return (f"{kind} {result[kind]:>6g}  {result['output_tok_s']:8.1f} tok/s  "
-            f"{result['requests_per_s']:6.2f} req/s  TTFT p50 {result['ttft_ms']['p50']:7.1f} "
-            f"p95 {result['ttft_ms']['p95']:7.1f} ms  TPOT p50 {result['tpot_ms']['p50']:6.1f} "
-            f"p95 {result['tpot_ms']['p95']:6.1f} ms  goodput {result['goodput']['share']:.0%}"
-            f"  errors {errors}")
+    ttft, tpot = result["ttft_ms"], result["tpot_ms"]
+    level = f"{kind} {result[kind]:g}"
+    good = f" good {result['goodput']['share']:.0%}" if result["goodput"] else ""
+    return (f"{level:<15}{result['output_tok_s']:8.1f} tok/s {result['requests_per_s']:6.2f} "
+            f"req/s  TTFT {ttft['p50']:.0f}/{ttft['p95']:.0f}ms  "
+            f"TPOT {tpot['p50']:.1f}/{tpot['p95']:.1f}ms{good} "
+            f"err {sum(result['errors'].values())}")
 
 
-def plot(results: list[dict], path: str) -> None:
-    """Throughput against TTFT p95 and TPOT p95 across the sweep."""
+def plot(results: list[dict], path: str, model: str) -> None:
+    """Throughput against TTFT p95 and TPOT p95 across the sweep, each point labelled with
+    its load level."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,8 +262,10 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
-    fig.suptitle("surge bench: " + ("rate" if "rate" in results[0] else "concurrency") +
-                 " sweep")
+    kind = "rate" if "rate" in results[0] else "concurrency"
+    what = "requests/s offered (open loop)" if kind == "rate" else "concurrent clients"
+    fig.suptitle(f"surge bench: {model}, {time.strftime('%Y-%m-%d %H:%M')}; "
+                 f"points labelled with {what}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -245,6 +280,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="closed loop with N clients (several values: a sweep); default 1")
     load.add_argument("--rate", type=float, nargs="+", metavar="R",
                       help="open loop, Poisson arrivals at R requests/s (several: a sweep)")
+    parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                        help="/v1/completions, or /v1/chat/completions with the prompt as one "
+                             "user message (its length before the chat template)")
+    parser.add_argument("--prompt-format", choices=["text", "tokens"], default=None,
+                        help="random token ids, or text of exactly that many tokens by "
+                             "--tokenizer (default: tokens against surge, text otherwise)")
+    parser.add_argument("--tokenizer", default="default",
+                        help="for text prompts: the served model's tokenizer, a .gguf, a "
+                             "Hugging Face folder (e.g. from surge export-tokenizer) or "
+                             "'default' (the bundled model's)")
     parser.add_argument("--workload", choices=["fixed", "chat", "trace"], default="fixed")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -276,11 +321,31 @@ def run_bench(opts: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"surge bench: cannot reach {opts.url}/v1/models: {e}", file=sys.stderr)
         return 1
+    if opts.prompt_format is None:
+        opts.prompt_format = "tokens" if engine_stats(opts.url, headers=headers) is not None \
+            else "text"
+    if opts.endpoint == "chat" and opts.prompt_format == "tokens":
+        print("surge bench: --endpoint chat sends text: use --prompt-format text",
+              file=sys.stderr)
+        return 2
+    tokenizer = None
+    if opts.prompt_format == "text":
+        from server.tokenizer import Tokenizer
+        from surge.model_files import ModelError, resolve_tokenizer
+
+        try:
+            tokenizer = Tokenizer(resolve_tokenizer(opts.tokenizer))
+        except ModelError as e:
+            print(f"surge bench: {e}", file=sys.stderr)
+            return 2
     results = []
     for kind, level in _levels(opts):
-        results.append(run_level(opts, kind, level, headers))
+        results.append(run_level(opts, kind, level, headers, tokenizer))
         print(_row(results[-1]), flush=True)
-    report = {"environment": fingerprint(opts.url, headers),
+        for status, body in results[-1]["first_errors"].items():
+            print(f"  first {status} error: {body}", flush=True)
+    environment = fingerprint(opts.url, headers)
+    report = {"environment": environment,
               "workload": {k: v for k, v in vars(opts).items()
                            if k not in ("api_key", "output", "plot", "no_progress")},
               "results": results}
@@ -288,5 +353,7 @@ def run_bench(opts: argparse.Namespace) -> int:
         with open(opts.output, "w") as f:
             json.dump(report, f, indent=2)
     if opts.plot:
-        plot(results, opts.plot)
+        models = environment["server_models"]
+        served = models[0].get("id") if isinstance(models, list) and models else None
+        plot(results, opts.plot, opts.model or served or opts.url)
     return 0 if all(r["ok"] for r in results) else 1

@@ -24,19 +24,34 @@ def _parser() -> argparse.ArgumentParser:
                     "whole if any is invalid); stats: a summary; reload: re-read the config "
                     "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM); "
                     "keys add TENANT [--key KEY] | keys remove ID | keys list: the API keys "
-                    "(applied by the server without a restart)")
-    admin.add_argument("action", choices=["get", "set", "stats", "reload", "drain", "keys"])
+                    "(applied by the server without a restart); top: a live view, refreshed "
+                    "every second")
+    admin.add_argument("action", choices=["get", "set", "stats", "top", "reload", "drain",
+                                          "keys"])
     admin.add_argument("values", nargs="*", metavar="ARG",
                        help="set: KEY=VALUE pairs; keys: add TENANT, remove ID or list")
     admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
     admin.add_argument("--runtime-dir", default=None, help="the server's runtime dir")
     admin.add_argument("--persist", action="store_true",
-                       help="with set: also write the values into the server's config file")
+                       help="with set: also write the values into the server's config file "
+                            "(refused before anything is applied if it has none)")
+    admin.add_argument("--json", action="store_true",
+                       help="with get and set: the reply as JSON, for scripts")
+    admin.add_argument("--iterations", type=int, default=None, metavar="N",
+                       help="with top: stop after N refreshes (default: until Ctrl-C)")
     admin.add_argument("--keys-file", default=None,
                        help="with keys: this file instead of the running server's")
     admin.add_argument("--key", default=None,
                        help="with keys add: store this key (16+ characters; -: read it from stdin) "
                             "instead of a new one")
+    export = commands.add_parser(
+        "export-tokenizer", help="write the served tokenizer as a Hugging Face folder",
+        description="Writes tokenizer.json, tokenizer_config.json and the chat template of "
+                    "--model (or --tokenizer) into DIR, for clients that count tokens "
+                    "themselves (guidellm, genai-perf, vllm bench serve: --tokenizer DIR).")
+    export.add_argument("folder", metavar="DIR")
+    export.add_argument("--model", default="default", help="as for serve (default: default)")
+    export.add_argument("--tokenizer", default=None, help="as for serve")
     bench = commands.add_parser(
         "bench", help="load an OpenAI-compatible server and report latency and throughput",
         description="Streams every request; reports TTFT, inter-token latency, TPOT and "
@@ -62,12 +77,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("a draft model runs with one rank only: drop --draft-model "
                                   "and --draft-layers (n-gram speculation works with any "
                                   "--tensor-parallel-size)")
+            from surge.preflight import preflight
+
+            preflight(cfg)
         except ConfigError as e:
             print(f"surge: {e}", file=sys.stderr)
             return 2
         from surge.supervisor import serve
 
         return serve(cfg, vars(args))
+    if args.command == "export-tokenizer":
+        from surge.model_files import ModelError, tokenizer_files
+
+        try:
+            files = tokenizer_files(args.model, args.tokenizer)
+        except ModelError as e:
+            print(f"surge: {e}", file=sys.stderr)
+            return 2
+        from server.tokenizer import Tokenizer
+
+        for path in Tokenizer(files).hf.save_pretrained(args.folder):
+            print(path)
+        return 0
     if args.command == "bench":
         from surge.bench import run_bench
 

@@ -18,6 +18,11 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Meta(description="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, "
              "or a Hugging Face folder with config.json and *.safetensors"),
     ] = "default"
+    tokenizer: Annotated[
+        str | None, Meta(description="take the tokenizer and chat template from here instead "
+                         "of the model: 'default', a .gguf file, or a folder of Hugging Face "
+                         "tokenizer files (same vocabulary as the model)")
+    ] = None
     served_model_name: Annotated[
         str | None, Meta(description="model id shown by /v1/models (default: from the file)")
     ] = None
@@ -78,6 +83,11 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["debug", "info", "warning", "error"], Meta(description="log verbosity")
     ] = "info"
     log_json: Annotated[bool, Meta(description="write logs as JSON lines")] = False
+    metrics_compat: Annotated[
+        Literal["none", "vllm"], Meta(description="vllm: /metrics also exports the mapped "
+                                      "series under vLLM's names (vllm:num_requests_running, "
+                                      "...), so dashboards built for vLLM work unchanged")
+    ] = "none"
     max_body_bytes: Annotated[
         int, Meta(ge=1024, description="largest request body; larger ones get 413")
     ] = 4 * 2**20
@@ -92,6 +102,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="longest prompt accepted, in tokens (0: the context "
                   "window)")
     ] = 0
+    api_key: Annotated[
+        str | None, Meta(description="one API key every /v1/ request must carry (tenant "
+                         "'default'), as vLLM's --api-key; works beside --api-keys-file")
+    ] = None
     max_choices: Annotated[
         int, Meta(ge=1, description="most choices one request may ask for: its prompts times "
                   "n, each an engine request (more get 400)")
@@ -336,17 +350,34 @@ def _is_bool(hint: Any) -> bool:
     return typing.get_args(hint)[0] is bool if hasattr(hint, "__metadata__") else hint is bool
 
 
+def _choices(hint: Any) -> tuple[str, ...] | None:
+    base = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+    return typing.get_args(base) if typing.get_origin(base) is Literal else None
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            for struct in SECTIONS.values() for f in msgspec.structs.fields(struct)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per config field; unset flags stay None so lower layers show through."""
     parser.add_argument("--config", default=None, help="TOML file (also SURGE_CONFIG)")
+    defaults = _defaults()
     for name, (section, hint) in _options().items():
         flag = "--" + name.replace("_", "-")
-        help_text = f"{_description(hint)} [{section}.{name}, SURGE_{name.upper()}]"
+        default = defaults[name]
+        shown = "unset" if default is None else (str(default).lower()
+                                                 if isinstance(default, bool) else default)
+        description = _description(hint)
+        if "(default:" not in description:
+            description += f" (default: {shown})"
+        help_text = f"{description} [{section}.{name}, SURGE_{name.upper()}]"
         if _is_bool(hint):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         else:
-            parser.add_argument(flag, default=None, help=help_text)
+            parser.add_argument(flag, default=None, choices=_choices(hint), help=help_text)
 
 
 def load_config(
@@ -396,7 +427,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_memory(value: str, free_bytes: int) -> int:
-    """'96MiB' -> bytes; '0.8' -> that fraction of free_bytes."""
+    """'96MiB' -> bytes; '0.8' -> that fraction of free_bytes (a bare number must be in
+    (0, 1])."""
     text = value.strip().lower().replace(" ", "")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(number):]
@@ -404,11 +436,16 @@ def parse_memory(value: str, free_bytes: int) -> int:
         amount = float(number)
     except ValueError:
         amount = -1.0
+    if unit == "" and amount != -1.0 and not 0 < amount <= 1:
+        # A bare number is a fraction; 2 or 4096 are far more likely sizes missing a unit.
+        raise ConfigError(
+            f"kv_cache_memory={value!r} has no unit, so it was read as a fraction of free "
+            f"memory, which must be in (0, 1]; for a size add a unit (e.g. {number}MiB)")
     if amount <= 0 or unit not in _UNITS:
         raise ConfigError(
             f"kv_cache_memory={value!r}: use bytes with a unit (e.g. 512MiB, 2GiB) "
-            "or a fraction of free memory between 0 and 1 (e.g. 0.8)"
+            "or a fraction of free memory in (0, 1] (e.g. 0.8)"
         )
-    if unit == "" and amount <= 1:
+    if unit == "":
         return int(amount * free_bytes)
     return int(amount * _UNITS[unit])

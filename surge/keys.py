@@ -209,3 +209,25 @@ class KeyStore:
             os.fsync(dir_fd)  # so the rename itself survives a crash
         finally:
             os.close(dir_fd)
+
+
+class Keys:
+    """What a server accepts: one fixed key (--api-key, tenant 'default') and/or a keys file."""
+
+    def __init__(self, api_key: str | None, store: KeyStore | None) -> None:
+        self.api_key = api_key
+        self.store = store
+
+    @classmethod
+    def of(cls, api_key: str | None, path: str | None) -> Keys | None:
+        """None when neither is set: then no request needs a key."""
+        if not api_key and not path:
+            return None
+        return cls(api_key or None, KeyStore(path) if path else None)
+
+    def tenant_for(self, key: str) -> str | None:
+        """The tenant of a valid key, else None."""
+        if self.api_key is not None and hmac.compare_digest(key.encode(errors="surrogatepass"),
+                                                            self.api_key.encode()):
+            return "default"
+        return self.store.tenant_for(key) if self.store is not None else None

@@ -31,14 +31,15 @@ class Result(Struct):
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
-    """One streamed completion; its timings, or its error."""
+async def send(session: aiohttp.ClientSession, url: str, body: dict,
+               path: str = "/v1/completions") -> Result:
+    """One streamed completion (or chat completion, by path); its timings, or its error."""
     result = Result()
     started = time.perf_counter()
     last = started
     chunks = 0
     try:
-        async with session.post(f"{url}/v1/completions",
+        async with session.post(f"{url}{path}",
                                 json={**body, "stream": True,
                                       "stream_options": {"include_usage": True}}) as r:
             if r.status != 200:
@@ -52,8 +53,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
                     return Result(status=500, error=json.dumps(chunk["error"])[:300])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
+                if not chunk.get("choices") or not _text(chunk["choices"][0]):
+                    continue  # usage, a chat's opening role, an empty closing chunk
                 chunks += 1
                 if not result.ttft:
                     result.ttft = now - started
@@ -67,6 +68,10 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
     return result
 
 
+def _text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
 def _session(headers: dict | None) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=headers,
                                  connector=aiohttp.TCPConnector(limit=0))
@@ -74,7 +79,8 @@ def _session(headers: dict | None) -> aiohttp.ClientSession:
 
 async def closed_loop(url: str, bodies: list[dict], concurrency: int,
                       headers: dict | None = None, deadline_s: float | None = None,
-                      done: Callable[[], None] = lambda: None) -> tuple[list[Result], float]:
+                      done: Callable[[], None] = lambda: None,
+                      path: str = "/v1/completions") -> tuple[list[Result], float]:
     """Every body, at most `concurrency` in flight, none started after deadline_s;
     (results, wall seconds)."""
     queue: asyncio.Queue[dict] = asyncio.Queue()
@@ -87,7 +93,7 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int,
         while not queue.empty():
             if deadline_s is not None and time.perf_counter() - started > deadline_s:
                 return
-            results.append(await send(session, url, queue.get_nowait()))
+            results.append(await send(session, url, queue.get_nowait(), path))
             done()
 
     async with _session(headers) as session:
@@ -96,14 +102,14 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int,
 
 
 async def open_loop(url: str, arrivals: list[tuple[float, dict]], headers: dict | None = None,
-                    deadline_s: float | None = None, done: Callable[[], None] = lambda: None
-                    ) -> tuple[list[Result], float]:
+                    deadline_s: float | None = None, done: Callable[[], None] = lambda: None,
+                    path: str = "/v1/completions") -> tuple[list[Result], float]:
     """Each body sent at its arrival time (seconds from the start) whatever is in flight."""
     results: list[Result] = []
     started = time.perf_counter()
 
     async def one(session: aiohttp.ClientSession, body: dict) -> None:
-        results.append(await send(session, url, body))
+        results.append(await send(session, url, body, path))
         done()
 
     async with _session(headers) as session:
@@ -129,7 +135,8 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
 
 def summarize(results: list[Result], wall: float, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None) -> dict:
-    """Latency percentiles (ms), throughput, errors by status, and goodput under the SLO."""
+    """Latency percentiles (ms), throughput, errors by status (and the first body of each),
+    and goodput under the SLO when one is given."""
     ok = [r for r in results if r.error is None]
     tpots = [t for r in ok if (t := r.tpot) is not None]
 
@@ -139,17 +146,24 @@ def summarize(results: list[Result], wall: float, slo_ttft_ms: float | None = No
             (slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms)
 
     good = sum(1 for r in ok if meets(r))
+    first_errors: dict[str, str] = {}
+    for r in results:
+        if r.error is not None:
+            first_errors.setdefault(str(r.status), r.error)
+    has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     return {
         "requests": len(results), "ok": len(ok),
         "errors": dict(Counter(str(r.status) for r in results if r.error is not None)),
+        "first_errors": first_errors,  # the first body of each status, to tell why
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "tpot_ms": percentiles(tpots),
         "e2e_ms": percentiles([r.latency for r in ok]),
         "output_tok_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
+        # Only against an SLO: without one every request would count as good.
         "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
                     "share": good / len(results) if results else 0.0,
-                    "requests_per_s": good / wall if wall else 0.0},
+                    "requests_per_s": good / wall if wall else 0.0} if has_slo else None,
         "wall_s": wall,
     }

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
@@ -28,7 +29,8 @@ class _JsonFormatter(logging.Formatter):
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extra = " ".join(f"{k}={v}" for k, v in record.__dict__.items() if k not in _STANDARD)
-        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+        stamp = f"{stamp}.{int(record.msecs):03d}"
         line = f"{stamp} {record.levelname[0]} [{record.processName}] {record.getMessage()}"
         line = f"{line} {extra}" if extra else line
         if record.exc_info:
@@ -47,3 +49,22 @@ def setup_logging(level: str, as_json: bool, process_name: str) -> None:
     root.setLevel(level.upper())
     # aiohttp's access log is replaced by our own per-request line.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _json_mode() -> bool:
+    return any(isinstance(h.formatter, _JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def show_progress() -> bool:
+    """Progress bars are for a person at a terminal, never among JSON lines."""
+    return sys.stderr.isatty() and not _json_mode()
+
+
+def announce(message: str, **fields: Any) -> None:
+    """A line the operator sees whatever the log level (the ready line): as it is, or as a
+    JSON record when logs are JSON."""
+    if _json_mode():
+        message = _JsonFormatter().format(logging.makeLogRecord(
+            {"name": "surge", "levelname": "INFO", "levelno": logging.INFO, "msg": message,
+             **fields}))
+    print(message, file=sys.stderr, flush=True)

@@ -7,7 +7,11 @@ frontend's /metrics merges them. Import this module only after that variable is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 
 # 10 ms to 60 s, for latencies users feel.
@@ -15,38 +19,52 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
+# Series about the served model carry its name, as vLLM's do, so dashboards built for vLLM
+# can select by model_name.
+MODEL = ["model_name"]
+# Why a request (each choice of it) ended: the engine's stop / length, a client that left or
+# cancelled (abort), or an error after it was accepted.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
 # frontend
 requests = Counter("surge_requests", "HTTP requests by endpoint and status",
                    ["endpoint", "status"])
-ttft = Histogram("surge_time_to_first_token_seconds", "time to first token",
+ttft = Histogram("surge_time_to_first_token_seconds", "time to first token", MODEL,
                  buckets=LATENCY_BUCKETS)
-itl = Histogram("surge_inter_token_latency_seconds", "time between streamed pieces",
+itl = Histogram("surge_inter_token_latency_seconds", "time between streamed pieces", MODEL,
                 buckets=LATENCY_BUCKETS)
-e2e = Histogram("surge_request_latency_seconds", "end-to-end request latency",
+e2e = Histogram("surge_request_latency_seconds", "end-to-end request latency", MODEL,
                 buckets=LATENCY_BUCKETS)
-prompt_tokens = Counter("surge_prompt_tokens", "prompt tokens of finished requests")
-generated_tokens = Counter("surge_generated_tokens", "tokens generated for finished requests")
+prompt_tokens = Counter("surge_prompt_tokens", "prompt tokens of accepted requests (finished, "
+                        "cancelled or failed)", MODEL)
+request_success = Counter("surge_request_success", "requests (each choice) ended, by "
+                          "finished_reason: stop, length, abort (the client left or "
+                          "cancelled), error", ["model_name", "finished_reason"])
 open_connections = Gauge("surge_open_connections", "client connections open",
                          multiprocess_mode="livemax")
 refused_connections = Counter("surge_refused_connections", "client connections refused over "
                               "max_connections")
 
 # scheduler
-queue_wait = Histogram("surge_queue_wait_seconds", "arrival to first scheduled step",
+generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "
+                           "(cancelled ones too)", MODEL)
+queue_wait = Histogram("surge_queue_wait_seconds", "arrival to first scheduled step", MODEL,
                        buckets=LATENCY_BUCKETS)
-running = Gauge("surge_running_requests", "requests in the running batch",
+running = Gauge("surge_running_requests", "requests in the running batch", MODEL,
                 multiprocess_mode="livemax")
 waiting = Gauge("surge_waiting_requests", "queued requests by priority and tenant",
-                ["priority", "tenant"], multiprocess_mode="livemax")
+                ["model_name", "priority", "tenant"], multiprocess_mode="livemax")
 batch_size = Histogram("surge_batch_size", "sequences per step", buckets=SIZE_BUCKETS)
 step_tokens = Histogram("surge_step_tokens", "tokens per step", buckets=SIZE_BUCKETS)
-kv_blocks_used = Gauge("surge_kv_cache_blocks_used", "KV blocks held by requests",
+kv_blocks_used = Gauge("surge_kv_cache_blocks_used", "KV blocks held by requests", MODEL,
                        multiprocess_mode="livemax")
-kv_blocks_total = Gauge("surge_kv_cache_blocks", "KV blocks in the cache",
+kv_blocks_total = Gauge("surge_kv_cache_blocks", "KV blocks in the cache", MODEL,
                         multiprocess_mode="livemax")
-prefix_queries = Counter("surge_prefix_cache_queried_tokens", "prompt tokens looked up")
-prefix_hits = Counter("surge_prefix_cache_hit_tokens", "prompt tokens found in the cache")
-preemptions = Counter("surge_preemptions", "sequences preempted for recompute")
+kv_usage = Gauge("surge_kv_cache_usage_ratio", "share of the KV blocks held by requests "
+                 "(0 to 1)", MODEL, multiprocess_mode="livemax")
+prefix_queries = Counter("surge_prefix_cache_queried_tokens", "prompt tokens looked up", MODEL)
+prefix_hits = Counter("surge_prefix_cache_hit_tokens", "prompt tokens found in the cache", MODEL)
+preemptions = Counter("surge_preemptions", "sequences preempted for recompute", MODEL)
 queued_tokens = Gauge("surge_queued_prompt_tokens", "prompt tokens of queued requests",
                       multiprocess_mode="livemax")
 rejected = Counter("surge_rejected_requests", "requests refused at arrival or ended in the "
@@ -80,8 +98,64 @@ device_memory = Gauge("surge_device_memory_bytes", "device memory allocated by t
                       ["rank"], multiprocess_mode="livemax")
 
 
-def exposition() -> tuple[bytes, str]:
-    """Every process's figures in Prometheus text format."""
+# Our name -> vLLM's, for --metrics-compat vllm (and the README's table). Labels other than
+# these are summed away, as vLLM's series have only them.
+VLLM_NAMES = {
+    "surge_running_requests": "vllm:num_requests_running",
+    "surge_waiting_requests": "vllm:num_requests_waiting",
+    "surge_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "surge_prompt_tokens": "vllm:prompt_tokens",
+    "surge_generated_tokens": "vllm:generation_tokens",
+    "surge_request_success": "vllm:request_success",
+    "surge_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "surge_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "surge_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "surge_queue_wait_seconds": "vllm:request_queue_time_seconds",
+    "surge_preemptions": "vllm:num_preemptions",
+    "surge_prefix_cache_queried_tokens": "vllm:prefix_cache_queries",
+    "surge_prefix_cache_hit_tokens": "vllm:prefix_cache_hits",
+}
+_VLLM_LABELS = {"model_name", "finished_reason", "le"}
+
+
+def frontend_series(model_name: str) -> None:
+    """The frontend's per-model series at 0 from the start, so panels never read "No data"."""
+    for series in (ttft, itl, e2e, prompt_tokens):
+        series.labels(model_name)
+    for reason in FINISHED_REASONS:
+        request_success.labels(model_name, reason)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """The family under vLLM's name, summed over the labels vLLM's series do not have."""
+    sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in family.samples:
+        labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k in _VLLM_LABELS))
+        key = (sample.name[len(family.name):], labels)
+        sums[key] = sums.get(key, 0.0) + sample.value
+    out = Metric(name, family.documentation, family.type)
+    for (suffix, labels), value in sums.items():
+        out.add_sample(name + suffix, dict(labels), value)
+    return out
+
+
+class _WithVllmNames:
+    """A registry's families, then the mapped ones again under vLLM's names."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            yield family
+            if family.name in VLLM_NAMES:
+                yield _renamed(family, VLLM_NAMES[family.name])
+
+
+def exposition(compat: str = "none") -> tuple[bytes, str]:
+    """Every process's figures in Prometheus text format (compat 'vllm': also under vLLM's
+    names)."""
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
-    return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8"
+    source: Any = _WithVllmNames(registry) if compat == "vllm" else registry
+    return generate_latest(source), "text/plain; version=0.0.4; charset=utf-8"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
+import re
 from typing import Any
 
 from msgspec import Struct
@@ -42,9 +44,56 @@ def resolve_model(model: str) -> ModelFiles:
         return ModelFiles(os.path.dirname(path), os.path.basename(path))
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return ModelFiles(path, None)
+    if not os.path.exists(path) and _REPO_ID.fullmatch(model):
+        raise ModelError(_not_downloaded(model))
+    if not os.path.exists(path):
+        raise ModelError(f"--model {model!r}: no such file or folder ({path}); give a .gguf "
+                         "file, a Hugging Face folder, or 'default'")
     raise ModelError(
         f"--model {model!r} is neither a .gguf file nor a folder with config.json"
     )
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_cache() -> str:
+    """Where huggingface_hub keeps downloads (HF_HUB_CACHE, else HF_HOME/hub)."""
+    home = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
+    return os.path.expanduser(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
+
+
+def _not_downloaded(repo_id: str) -> str:
+    """What to do with a Hugging Face repo id: surge reads only local files."""
+    pattern = os.path.join(_hub_cache(), f"models--{repo_id.replace('/', '--')}", "snapshots",
+                           "*", "config.json")
+    if cached := sorted(glob.glob(pattern), key=os.path.getmtime):
+        return (f"--model {repo_id!r} is a Hugging Face repo id; surge does not download "
+                f"models, but this one is in the Hugging Face cache: --model "
+                f"{os.path.dirname(cached[-1])}")
+    return (f"--model {repo_id!r} looks like a Hugging Face repo id; surge does not download "
+            f"models: fetch it first (huggingface-cli download {repo_id}) and pass its "
+            "folder, e.g. --model "
+            f"{os.path.join(_hub_cache(), 'models--' + repo_id.replace('/', '--'))}"
+            "/snapshots/REVISION")
+
+
+def resolve_tokenizer(path: str) -> ModelFiles:
+    """What --tokenizer names: like --model, or a folder of tokenizer files alone."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, name)) for name in
+                                     ("tokenizer.json", "tokenizer_config.json")):
+        return ModelFiles(folder, None)
+    try:
+        return resolve_model(path)
+    except ModelError:
+        raise ModelError(f"--tokenizer {path!r} is neither a .gguf file nor a folder with "
+                         "tokenizer.json or tokenizer_config.json") from None
+
+
+def tokenizer_files(model: str, tokenizer: str | None) -> ModelFiles:
+    """Where the served tokenizer comes from: --tokenizer, else the model."""
+    return resolve_tokenizer(tokenizer) if tokenizer else resolve_model(model)
 
 
 def gguf_metadata(path: str) -> dict[str, Any]:
@@ -69,6 +118,11 @@ def default_name(files: ModelFiles) -> str:
     if files.gguf_file:
         return files.gguf_file.split(".")[0]
     return os.path.basename(files.folder.rstrip("/"))
+
+
+def served_name(served_model_name: str | None, model: str) -> str:
+    """The model id clients name: --served-model-name, else from the model's file name."""
+    return served_model_name or default_name(resolve_model(model))
 
 
 def max_model_len(files: ModelFiles) -> int:

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -20,7 +19,7 @@ import zmq
 from gpu_workers.worker import run_worker
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig, flatten
-from surge.log import setup_logging
+from surge.log import announce, setup_logging
 from surge.process import title
 from surge.protocol import WorkerFailed, encode
 from surge.runtime import Channels
@@ -251,8 +250,9 @@ def serve(cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> int:
         notify("STATUS=loading the model")
         sup.start()
         if sup.wait_ready():
-            print(f"surge ready on {url} (started in {time.monotonic() - started:.1f}s)",
-                  file=sys.stderr, flush=True)
+            took = round(time.monotonic() - started, 1)
+            announce(f"surge ready on {url} (started in {took:.1f}s)", event="ready", url=url,
+                     startup_s=took)
             notify("READY=1", f"STATUS=serving on {url}")
             code = sup.watch()
         elif sup.stopping:

@@ -19,7 +19,7 @@ from tests.server import ServerProcess
 
 def _admin(env: dict, port: int, *args: str) -> tuple[int, dict | str]:
     out = subprocess.run([sys.executable, "-m", "surge.cli", "admin", "--port", str(port),
-                          *args], capture_output=True, text=True, env=env, timeout=60)
+                          "--json", *args], capture_output=True, text=True, env=env, timeout=60)
     try:
         return out.returncode, json.loads(out.stdout.split("\nwritten to")[0])
     except json.JSONDecodeError:
@@ -98,6 +98,84 @@ def test_admin_round_trip(tmp_path):
     finally:
         if server.proc.poll() is None:
             server.stop()
+
+
+def _admin_text(env: dict, port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surge.cli", "admin", "--port", str(port),
+                           *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.slow
+def test_admin_table_errors_persist_and_top(tmp_path):
+    import os
+
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    try:
+        # get: an aligned table for people (--json for scripts).
+        table = _admin_text(env, server.port, "get")
+        assert table.returncode == 0, table.stderr
+        header, *rows = table.stdout.splitlines()
+        assert header.split() == ["NAME", "VALUE", "SECTION"]
+        row = next(r for r in rows if r.startswith("max_num_seqs "))
+        assert row.split() == ["max_num_seqs", "128", "scheduler"]
+        assert row.index("128") == header.index("VALUE")
+        assert len({r.rstrip().rindex(" ") for r in rows}) == 1  # SECTION aligned too
+        # A refused set: one line with the reason, nothing on stdout.
+        bad = _admin_text(env, server.port, "set", "max_num_seqs=0")
+        assert bad.returncode == 1 and not bad.stdout
+        assert bad.stderr.count("\n") == 1 and "max_num_seqs" in bad.stderr
+        assert bad.stderr.startswith("surge admin: set refused, nothing changed: ")
+        # --persist without a config file fails before anything is applied.
+        persist = _admin_text(env, server.port, "set", "max_num_seqs=3", "--persist")
+        assert persist.returncode == 2 and "--persist needs" in persist.stderr
+        assert _admin(env, server.port, "get")[1]["values"]["max_num_seqs"] == 128
+        ok = _admin_text(env, server.port, "set", "max_num_seqs=64")
+        assert ok.returncode == 0 and ok.stdout.splitlines()[-1].split() == \
+            ["max_num_seqs", "64", "scheduler"]
+        _two_requests_at_once(server.url)
+        top = _admin_text(env, server.port, "top", "--iterations", "2")
+        assert top.returncode == 0, top.stderr
+        frames = [f for f in top.stdout.split("\n\n") if f.strip()]
+        assert len(frames) == 2 and all(f.startswith("surge top  ") for f in frames)
+        # The first screen: latencies since the server started (the two requests).
+        lines = frames[0].splitlines()
+        assert lines[2] == "tokens/s   - generated   - steps/s"
+        assert lines[4].startswith("latency since the server started")
+        assert re.match(r"  TTFT +\d+\.\d{3} s +\d+\.\d{3} s +\d+\.\d{3} s", lines[5]), lines
+        # The next: rates and latencies over the seconds top has watched (idle ones).
+        lines = frames[1].splitlines()
+        assert lines[1].startswith("requests   0 running   0 waiting")
+        assert re.match(r"tokens/s   \d+\.\d generated   \d+\.\d steps/s", lines[2]), lines
+        assert lines[3].startswith("KV cache   0 / 364 blocks (0%)   prefix hit rate ")
+        assert lines[4].startswith("latency, last ")
+        assert lines[5].split() == ["TTFT", "no", "requests"]
+    finally:
+        server.stop()
+
+
+def test_top_frame_counts_the_last_minute_only():
+    from collections import deque
+
+    from surge.admin_top import Sample, frame
+
+    stats = {"running": 2, "waiting": 1, "queued_tokens": 40, "generated_tokens": 100,
+             "steps": 10, "kv_blocks_used": 91, "kv_blocks_total": 364,
+             "prefix_queried_tokens": 100, "prefix_hit_tokens": 20, "preemptions": 0}
+    old = {"surge_time_to_first_token_seconds": [(0.1, 50.0), (1.0, 50.0), (float("inf"), 50.0)]}
+    # Since the first sample: 10 more requests, all between 0.1 s and 1 s.
+    new = {"surge_time_to_first_token_seconds": [(0.1, 50.0), (1.0, 60.0), (float("inf"), 60.0)]}
+    window = deque([Sample(0.0, stats, old), Sample(2.0, {**stats, "generated_tokens": 150,
+                                                           "steps": 14,
+                                                           "prefix_queried_tokens": 200,
+                                                           "prefix_hit_tokens": 95}, new)])
+    lines = frame("http://x", window).splitlines()
+    assert lines[1] == "requests   2 running   1 waiting   40 queued prompt tokens"
+    assert lines[2] == "tokens/s   25.0 generated   2.0 steps/s"
+    assert lines[3] == "KV cache   91 / 364 blocks (25%)   prefix hit rate 75.0%   preemptions 0"
+    assert lines[4].startswith("latency, last 2s")
+    assert lines[5].split() == ["TTFT", "0.550", "s", "0.955", "s", "0.991", "s"]
+    assert lines[6].split() == ["inter-token", "no", "requests"]
 
 
 def test_quantiles_from_cumulative_buckets():

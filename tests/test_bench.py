@@ -64,6 +64,45 @@ def test_summary_percentiles_and_goodput():
     assert out["goodput"]["share"] == pytest.approx(50 / 101)
     assert out["goodput"]["requests_per_s"] == pytest.approx(25)
     assert all(v != v for v in percentiles([]).values())  # NaN without data
+    # The first body of each failing status is kept; goodput needs an SLO to mean anything.
+    results.append(Result(status=429, error="second"))
+    plain = summarize(results, wall=2.0)
+    assert plain["first_errors"] == {"429": "slow down"} and plain["goodput"] is None
+
+
+def test_result_line_fits_100_columns():
+    from surge.bench import _row
+
+    big = {"concurrency": 128, "output_tok_s": 12345.6, "requests_per_s": 123.45,
+           "ttft_ms": {"p50": 9999.0, "p95": 23456.0}, "tpot_ms": {"p50": 123.4, "p95": 234.5},
+           "goodput": {"share": 1.0}, "errors": {"429": 99, "503": 29}}
+    line = _row(big)
+    assert len(line) <= 100 and line.startswith("concurrency 128") and "err 128" in line
+
+
+def test_server_share_never_negative():
+    from surge.bench import _server_share
+
+    before = {"time": 0.0, "steps": 0, "worker_compute_s": 0.0, "worker_forward_s": 0.0}
+    # Steps planned ahead overlap: their compute may add up past the wall time.
+    after = {"time": 10.0, "steps": 100, "worker_compute_s": 10.2, "worker_forward_s": 9.0}
+    assert _server_share(before, after)["outside_steps_share"] == 0.0
+
+
+def test_plot_title_names_model_date_and_points(tmp_path):
+    import time
+
+    import matplotlib
+
+    from surge.bench import plot
+
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text in the SVG
+    row = {"output_tok_s": 10.0, "ttft_ms": {"p95": 5.0}, "tpot_ms": {"p95": 2.0}}
+    plot([{"concurrency": 1, **row}, {"concurrency": 4, **row}], str(tmp_path / "p.svg"),
+         "SmolLM2-135M-Instruct")
+    svg = (tmp_path / "p.svg").read_text()
+    assert "SmolLM2-135M-Instruct" in svg and time.strftime("%Y-%m-%d") in svg
+    assert "concurrent clients" in svg
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +130,26 @@ def fake_server():
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def chat(request: web.Request) -> web.StreamResponse:
+        """As OpenAI streams a chat: the role at once, the content after TTFT_S."""
+        body = await request.json()
+        seen.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        opening = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+        await response.write(f"data: {json.dumps(opening)}\n\n".encode())
+        await asyncio.sleep(TTFT_S)
+        for i in range(body["max_tokens"]):
+            if i:
+                await asyncio.sleep(TPOT_S)
+            await response.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
@@ -112,6 +168,7 @@ def test_bench_sweep_writes_json_and_plot(fake_server, tmp_path):
     out, png = tmp_path / "result.json", tmp_path / "sweep.png"
     code = main(["bench", "--url", url, "--concurrency", "1", "4", "--num-requests", "8",
                  "--input-len", "5", "--output-len", "6", "--slo-ttft", "1000",
+                 "--prompt-format", "tokens",
                  "--output", str(out), "--plot", str(png), "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
@@ -138,10 +195,39 @@ def test_bench_open_loop_trace_and_errors(fake_server, tmp_path, capsys):
                                for i in range(6)))
     out = tmp_path / "r.json"
     assert main(["bench", "--url", url, "--workload", "trace", "--trace", str(trace),
-                 "--output", str(out), "--no-progress"]) == 0
+                 "--output", str(out), "--no-progress", "--prompt-format", "tokens"]) == 0
     result = json.loads(out.read_text())["results"][0]
     assert result["requests"] == 6 and result["errors"] == {"429": 1}
+    assert result["first_errors"] == {"429": '{"error": {"message": "busy"}}'}
+    assert result["goodput"] is None  # no SLO given
+    printed = capsys.readouterr().out
+    assert "  first 429 error: {\"error\": {\"message\": \"busy\"}}" in printed
+    # Without --no-progress and not on a terminal: plain progress lines, no bar.
     assert main(["bench", "--url", url, "--rate", "50", "--num-requests", "10",
-                 "--output-len", "3", "--no-progress"]) == 0
-    assert "rate     50" in capsys.readouterr().out
+                 "--output-len", "3", "--slo-ttft", "1000", "--prompt-format", "tokens"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "rate 50: 10/10 requests" and "\r" not in "".join(lines)
+    assert lines[-1].startswith("rate 50 ") and "good 100%" in lines[-1]
+    assert len(lines[-1]) <= 100, lines[-1]
     assert main(["bench", "--url", "http://127.0.0.1:9", "--no-progress"]) == 1
+
+
+@pytest.mark.slow
+def test_bench_sends_text_to_other_servers_and_chats(fake_server, tokenizer, capsys):
+    url, seen = fake_server
+    # Not surge (no /stats): text prompts by default, of exactly --input-len tokens.
+    assert main(["bench", "--url", url, "--num-requests", "4", "--input-len", "37",
+                 "--output-len", "3", "--no-progress"]) == 0
+    prompts = [b["prompt"] for b in seen[-4:]]
+    assert all(isinstance(p, str) and len(tokenizer.encode(p)) == 37 for p in prompts)
+    assert len(set(prompts)) == 4
+    assert main(["bench", "--url", url, "--endpoint", "chat", "--num-requests", "4",
+                 "--input-len", "9", "--output-len", "5", "--no-progress"]) == 0
+    messages = [b["messages"] for b in seen[-4:]]
+    assert all(len(tokenizer.encode(m[0]["content"])) == 9 for m in messages)
+    row = capsys.readouterr().out.splitlines()[-1]
+    # TTFT is the first content, not the opening role chunk sent at once.
+    ttft_p50 = float(row.split("TTFT ")[1].split("/")[0])
+    assert ttft_p50 >= TTFT_S * 1000 - 5, row
+    assert main(["bench", "--url", url, "--endpoint", "chat", "--prompt-format", "tokens",
+                 "--no-progress"]) == 2

@@ -37,7 +37,7 @@ def test_env_config_path_and_bool_flags(tmp_path):
 
 @pytest.mark.parametrize(("argv", "env", "text", "message"), [
     (["--port", "70000"], {}, None, "port"),
-    (["--dtype", "int3"], {}, None, "dtype"),
+    ([], {"SURGE_DTYPE": "int3"}, None, "dtype"),
     ([], {"SURGE_MAX_NUM_SEQS": "many"}, None, "max_num_seqs"),
     ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
     ([], {}, "[server]\nprot = 1\n", "prot"),
@@ -57,7 +57,18 @@ def test_parse_memory():
     assert parse_memory("2 GiB", 0) == 2 * 2**30
     assert parse_memory("1.5GB", 0) == 1_500_000_000
     assert parse_memory("0.5", 1000) == 500
-    assert parse_memory("4096", 0) == 4096
-    for bad in ["", "-1GiB", "lots", "3 parsecs", "0"]:
+    assert parse_memory("1", 1000) == 1000
+    assert parse_memory("4096B", 0) == 4096
+    for bad in ["", "-1GiB", "lots", "3 parsecs"]:
         with pytest.raises(ConfigError, match="kv_cache_memory"):
             parse_memory(bad, 1000)
+    # A bare number is a fraction; one outside (0, 1] is refused, saying how it was read.
+    for bad in ["0", "1.5", "4096", "-0.5"]:
+        with pytest.raises(ConfigError, match=r"read as a fraction .* \(0, 1\]"):
+            parse_memory(bad, 1000)
+
+
+def test_flags_refuse_values_outside_their_choices(capsys):
+    with pytest.raises(SystemExit):
+        _flags(["--dtype", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err

@@ -214,3 +214,20 @@ def test_lookup_matches_what_is_stored(ops, unknown):
                 assert store.tenant_for(_tamper(key)) in (None, present.get(_tamper(key)))
             for key in removed | {k for k in unknown if k not in present}:
                 assert store.tenant_for(key) is None
+
+
+def test_single_api_key_beside_the_file(tmp_path):
+    from surge.config import load_config
+    from surge.keys import Keys
+
+    assert Keys.of(None, None) is None
+    fixed = "one-fixed-key-for-all"
+    assert load_config({}, {"SURGE_API_KEY": fixed}).server.api_key == fixed
+    alone = Keys.of(fixed, None)
+    assert alone is not None and alone.tenant_for(fixed) == "default"
+    assert alone.tenant_for(_tamper(fixed)) is None and alone.tenant_for("") is None
+    _, batch_key = KeyStore(str(tmp_path / "keys.json")).add("batch")
+    both = Keys.of(fixed, str(tmp_path / "keys.json"))
+    assert both is not None
+    assert both.tenant_for(fixed) == "default" and both.tenant_for(batch_key) == "batch"
+    assert both.tenant_for(_tamper(batch_key)) is None

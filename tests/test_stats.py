@@ -23,10 +23,12 @@ from surge.protocol import (
 )
 
 # Counters and histograms are process-wide: the test compares them with their start values.
+M = {"model_name": "m"}
 _TOTALS = [("surge_batch_size_count", {}), ("surge_step_tokens_sum", {}),
-           ("surge_queue_wait_seconds_count", {}), ("surge_prefix_cache_hit_tokens_total", {}),
+           ("surge_queue_wait_seconds_count", M), ("surge_prefix_cache_hit_tokens_total", M),
            ("surge_rejected_requests_total", {"tenant": "acme", "limit": "max_concurrent"}),
-           ("surge_tenant_served_tokens_total", {"tenant": "acme"})]
+           ("surge_tenant_served_tokens_total", {"tenant": "acme"}),
+           ("surge_generated_tokens_total", M)]
 
 
 def _value(metric: str, /, **labels: str) -> float:
@@ -57,8 +59,17 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     cfg = SurgeConfig(scheduler=SchedulerConfig(block_size=4, max_num_seqs=2),
                       tenants={"acme": TenantConfig(weight=2.0, max_concurrent=2)})
     sched = Scheduler(cfg.scheduler, 32, cfg.tenants)
-    stats = StatsCollector()
+    stats = StatsCollector("m")
     start = [_value(name, **labels) for name, labels in _TOTALS]
+    # Before any traffic every series exists, at 0: panels show 0, not "No data".
+    stats.export(stats.snapshot(sched), sched, cfg)
+    for name, labels in [("surge_waiting_requests", {**M, "priority": "0", "tenant": "default"}),
+                         ("surge_waiting_requests", {**M, "priority": "0", "tenant": "acme"}),
+                         ("surge_rejected_requests_total", {"tenant": "default",
+                                                            "limit": "max_queued"}),
+                         ("surge_preemptions_total", M), ("surge_kv_cache_usage_ratio", M),
+                         ("surge_running_requests", M)]:
+        assert REGISTRY.get_sample_value(name, labels) == 0.0, (name, labels)
     assert sched.add(_request("a", 6, "acme", 0)) is None
     assert sched.add(_request("b", 5, "default", 0)) is None  # a's first block is cached
     assert sched.add(_request("c", 3, "acme", 500)) is None  # waits: two seats, less urgent
@@ -76,13 +87,15 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     assert (snap.kv_blocks_used, snap.kv_blocks_total) == (3, 32)  # a's two, b's second
 
     stats.export(snap, sched, cfg)
-    assert (_value("surge_running_requests"), _value("surge_queued_prompt_tokens")) == (2, 3)
-    assert (_value("surge_kv_cache_blocks_used"), _value("surge_kv_cache_blocks")) == (3, 32)
+    assert (_value("surge_running_requests", **M), _value("surge_queued_prompt_tokens")) == (2, 3)
+    assert (_value("surge_kv_cache_blocks_used", **M), _value("surge_kv_cache_blocks", **M)) == \
+        (3, 32)
+    assert _value("surge_kv_cache_usage_ratio", **M) == 3 / 32
     # Two steps of 2 sequences, 9 tokens; a and b started; 4 prefix hits; d refused; acme's
-    # a served 6 + 1.
+    # a served 6 + 1; one token per sequence and step.
     gained = _gained(start)
-    assert gained == [2, 9, 2, 4, 1, 7]
-    assert _value("surge_waiting_requests", priority="other", tenant="acme") == 1
+    assert gained == [2, 9, 2, 4, 1, 7, 4]
+    assert _value("surge_waiting_requests", **M, priority="other", tenant="acme") == 1
     assert _value("surge_tenant_running_requests", tenant="acme") == 1
     assert _value("surge_tenant_limit", tenant="acme", limit="weight") == 2.0
     assert _value("surge_live_parameter", name="max_num_seqs") == 2
@@ -92,7 +105,7 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     # counters do not count the same tokens twice.
     sched.abort(["c"])
     stats.export(stats.snapshot(sched), sched, cfg)
-    assert _value("surge_waiting_requests", priority="other", tenant="acme") == 0
+    assert _value("surge_waiting_requests", **M, priority="other", tenant="acme") == 0
     assert _gained(start) == gained
 
     # `surge admin stats` answers with the same fields as /stats, less the message tag.
@@ -103,7 +116,7 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
 
 def test_generated_tokens_count_tokens_not_outputs():
     """With speculation one output carries every token a sequence gained in the step."""
-    stats = StatsCollector()
+    stats = StatsCollector("m")
     plan = StepPlan(0, [])
     stats.record_step(plan, StepResult(0, {}), [RequestOutput("a", [5, 6, 7]),
                                                 RequestOutput("b", [8])], continuous=True)
