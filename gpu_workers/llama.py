@@ -1,7 +1,10 @@
-"""The Llama family (Llama 2/3, SmolLM, ...) over a flattened batch and a paged KV cache."""
+"""The Llama family (Llama 2/3, SmolLM, ...) over a flattened batch and a paged KV cache, and the
+families that differ from it in small ways (Qwen2/3, Mistral, Phi-3, Gemma 2/3): each difference
+is one switch of LlamaConfig, set from the checkpoint by gpu_workers/families.py."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from msgspec import Struct
@@ -25,6 +28,18 @@ class LlamaConfig(Struct, kw_only=True):
     rope_scaling: dict | None = None
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # The other families' differences; the defaults are Llama's.
+    qkv_bias: bool = False  # Qwen2: biases on the query, key and value projections
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's query and key
+    sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs are normed too
+    activation: str = "silu"  # of the MLP's gate; Gemma: "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # Gemma: the embeddings are multiplied by sqrt(hidden_size)
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    attn_softcap: float = 0.0  # Gemma 2: scores become softcap * tanh(score / softcap)
+    final_softcap: float = 0.0  # Gemma 2/3: the same on the logits
+    sliding_window: int = 0  # keys a windowed layer's query sees, itself included
+    window_layers: list[bool] = msgspec.field(default_factory=list)  # per layer; empty: none
+    local_rope_theta: float = 0.0  # Gemma 3: the windowed layers' rotary base (0: one rope)
 
 
 class AttentionMetadata(Struct, kw_only=True):
@@ -58,7 +73,7 @@ class Attention(nn.Module):
     """This rank's query heads and the KV heads they are grouped on; qkv_proj is column
     parallel, o_proj row parallel (its partial sums reduced over the group)."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, window: int) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = tp.split(cfg.num_heads, "attention heads")
@@ -66,8 +81,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        # A bias of its own, not the Linear's, so quantized and packed projections keep it.
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if cfg.qkv_bias else None
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.window, self.softcap = window, cfg.attn_softcap
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, decode: tuple | None, kv_cache: torch.Tensor,
@@ -75,44 +96,56 @@ class Attention(nn.Module):
         """decode: ops.plan_decode's plan for the decode rows (None without them)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # Queries and keys are adjacent columns: rotate them in one pass.
         q, k, v = qkv.view(t, heads + 2 * kv_heads, d).split((heads, kv_heads, kv_heads), dim=1)
+        if self.q_norm is not None:
+            q.copy_(ops.rms_norm(q, self.q_norm, self.eps))
+            k.copy_(ops.rms_norm(k, self.k_norm, self.eps))
+        # Queries and keys are adjacent columns: rotate them in one pass.
         ops.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
         k_cache, v_cache = kv_cache
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = dict(window=self.window, softcap=self.softcap)
         if meta.fixed_order:
-            out = _fixed_order(q, k_cache, v_cache, meta, self.scale)
+            out = _fixed_order(q, k_cache, v_cache, meta, self.scale, **extra)
             return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
         nd = meta.num_decode
         parts = []
         if nd:
-            parts.append(ops.decode_attention(q[:nd], k_cache, v_cache, decode, self.scale))
+            parts.append(ops.decode_attention(q[:nd], k_cache, v_cache, decode, self.scale,
+                                              **extra))
         if nd < t:
             parts.append(ops.prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
-                meta.prefill_context_lens, meta.prefill_max_query_len, self.scale))
+                meta.prefill_context_lens, meta.prefill_max_query_len, self.scale, **extra))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 def _fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, **extra: float) -> torch.Tensor:
     """The step's attention, decode rows and each prefill chunk, in the fixed-order kernel."""
     nd = meta.num_decode
     parts = []
     if nd:
         visible = meta.decode_context_lens[:, None]
         parts.append(kernels.fixed_order_attention(
-            q[:nd, None], k_cache, v_cache, meta.decode_block_tables, visible, scale)[:, 0])
+            q[:nd, None], k_cache, v_cache, meta.decode_block_tables, visible, scale,
+            **extra)[:, 0])
     bounds = meta.prefill_query_start.tolist()
     for i, ctx in enumerate(meta.prefill_context_lens.tolist()):
         n = bounds[i + 1] - bounds[i]
         visible = torch.arange(ctx - n + 1, ctx + 1, device=q.device)[None]
         parts.append(kernels.fixed_order_attention(
             q[nd + bounds[i]: nd + bounds[i + 1]][None], k_cache, v_cache,
-            meta.prefill_block_tables[i: i + 1], visible, scale)[0])
+            meta.prefill_block_tables[i: i + 1], visible, scale, **extra)[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# LlamaConfig.activation -> the MLP's gate function.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
@@ -124,20 +157,28 @@ class MLP(nn.Module):
         ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ff, bias=False)
         self.down_proj = nn.Linear(ff, cfg.hidden_size, bias=False)
+        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
+        windowed = bool(cfg.window_layers) and cfg.window_layers[index]
+        # Which of the model's rotary tables this layer reads (1: Gemma 3's local one).
+        self.rope_table = int(windowed and cfg.local_rope_theta > 0)
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.attn = Attention(cfg, tp)
-        self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.attn = Attention(cfg, tp, cfg.sliding_window if windowed else 0)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.mlp = MLP(cfg, tp)
+        sandwich = cfg.sandwich_norms
+        self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if sandwich else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if sandwich else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -148,8 +189,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = ops.add_rms_norm(x, residual, self.input_norm, self.eps)
         x = self.attn(x, rope, meta, decode, kv_cache, ops)
-        x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
-        return self.mlp(x), residual
+        if self.attn_out_norm is not None:
+            x = ops.rms_norm(x, self.attn_out_norm, self.eps)
+        x, residual = ops.add_rms_norm(x, residual, self.mlp_norm, self.eps)
+        x = self.mlp(x)
+        if self.mlp_out_norm is not None:
+            x = ops.rms_norm(x, self.mlp_out_norm, self.eps)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -160,38 +206,49 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.tp = tp or TensorParallel()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        self.rope = torch.empty(0)
+        self.rope = torch.empty(0)  # [tables, positions, 2 * head_dim], see init_rope
         # The kernel backend every layer runs on (the worker picks it: kernels.for_device).
         self.ops = kernels.REFERENCE
 
     def init_rope(self) -> None:
-        """Build the rotary table (float32, on the weights' device) once the weights are placed."""
+        """Build the rotary tables (float32, on the weights' device: the global one, and Gemma 3's
+        local one) once the weights are placed."""
         cfg = self.cfg
-        self.rope = kernels.rotary_cache(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        ).to(self.embed.weight.device)
+        tables = [kernels.rotary_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                       cfg.rope_scaling)]
+        if cfg.local_rope_theta:
+            tables.append(kernels.rotary_cache(cfg.head_dim, cfg.max_position_embeddings,
+                                               cfg.local_rope_theta))
+        self.rope = torch.stack(tables).to(self.embed.weight.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed(input_ids)
+        if self.cfg.embed_scale != 1.0:
+            # Rounded to the weights' dtype first, as Hugging Face's Gemma does.
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype).item()
         residual = None
-        rope = kernels.rotary_angles(positions, self.rope)
+        ropes = [kernels.rotary_angles(positions, table) for table in self.rope]
         # Every layer's decode attention reads the same blocks of its own cache: planned once.
         ops = self.ops
         decode = (ops.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches[0, 0], meta.decode_shared_blocks)
                   if meta.num_decode and not meta.fixed_order else None)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, meta, decode, kv_cache, ops)
+            x, residual = layer(x, residual, ropes[layer.rope_table], meta, decode, kv_cache,
+                                ops)
         x, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_softcap
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits

@@ -1,5 +1,6 @@
-"""Load Llama-family weights from a GGUF file (dequantized) or a Hugging Face safetensors folder,
-each cut by its Hugging Face name to the shard this tensor-parallel rank holds."""
+"""Load a model's weights from a GGUF file (dequantized) or a Hugging Face safetensors folder,
+each cut by its Hugging Face name to the shard this tensor-parallel rank holds (the families'
+configs are read by gpu_workers/families.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gpu_workers.families import read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.parallel import TensorParallel
 from surge.log import show_progress
-from surge.model_files import ModelFiles, gguf_metadata, hf_config
+from surge.model_files import ModelFiles
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -33,53 +35,6 @@ _GGUF_NAMES = {
 }
 
 
-def config_from_gguf(meta: dict) -> LlamaConfig:
-    arch = meta["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama only)")
-    heads = int(meta[f"{arch}.attention.head_count"])
-    hidden = int(meta[f"{arch}.embedding_length"])
-    scaling = None
-    if f"{arch}.rope.scaling.type" in meta:
-        scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
-                   "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    vocab = meta.get(f"{arch}.vocab_size")
-    return LlamaConfig(
-        vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
-        hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        num_layers=int(meta[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(meta[f"{arch}.context_length"]),
-        tie_word_embeddings=True,  # corrected by the loader when output.weight exists
-    )
-
-
-def config_from_hf(cfg: dict) -> LlamaConfig:
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported (llama only)")
-    heads = cfg["num_attention_heads"]
-    return LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 1e4)),
-        rope_scaling=cfg.get("rope_scaling"),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-    )
-
-
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp stores Q/K rows interleaved for its rotary layout; restore rotate-half order."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
@@ -87,6 +42,7 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 Blocks = tuple[torch.Tensor, torch.Tensor]  # Q4_1 steps and minimums [rows, columns / 32]
+Tensors = Iterator[tuple[str, torch.Tensor, Blocks | None]]  # (HF name, weight, Q4_1 grid)
 
 
 def _q4_1_blocks(raw: np.ndarray, rows: int) -> Blocks:
@@ -98,7 +54,7 @@ def _q4_1_blocks(raw: np.ndarray, rows: int) -> Blocks:
 
 
 def _gguf_tensors(path: str, cfg: LlamaConfig
-                  ) -> Iterator[tuple[str, torch.Tensor, Blocks | None]]:
+                  ) -> Tensors:
     import gguf
     from gguf.quants import dequantize
 
@@ -122,7 +78,7 @@ def _gguf_tensors(path: str, cfg: LlamaConfig
         yield name, w, blocks
 
 
-def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, Blocks | None]]:
+def _safetensors(folder: str) -> Tensors:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -133,6 +89,25 @@ def _safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, Blocks | None
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name), None
+
+
+def _unfused(tensors: Tensors, cfg: LlamaConfig) -> Tensors:
+    """Phi-3's fused qkv_proj and gate_up_proj as the separate projections other families have
+    (the model fuses them again, each rank's share of each part)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, w, blocks in tensors:
+        m = re.fullmatch(r"(.+)\.(qkv_proj|gate_up_proj)\.(weight|bias)", name)
+        if not m:
+            yield name, w, blocks
+            continue
+        module, fused, kind = m.groups()
+        if fused == "qkv_proj":
+            parts, sizes = ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
+        else:
+            parts, sizes = ("gate_proj", "up_proj"), (w.shape[0] // 2,) * 2
+        pieces = zip(*(t.split(sizes) for t in (w, *(blocks or ()))), strict=True)
+        for part, (piece, *grid) in zip(parts, pieces, strict=True):
+            yield f"{module}.{part}.{kind}", piece, tuple(grid) or None
 
 
 def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
@@ -150,19 +125,33 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
         return None
     layer = model.layers[int(m.group(1))]
     # This rank's widths, as its layers were built.
-    q, kv = layer.attn.num_heads * cfg.head_dim, layer.attn.num_kv_heads * cfg.head_dim
-    ff = layer.mlp.down_proj.in_features
-    return {
+    attn, mlp = layer.attn, layer.mlp
+    q, kv = attn.num_heads * cfg.head_dim, attn.num_kv_heads * cfg.head_dim
+    ff = mlp.down_proj.in_features
+    places = {
         "input_layernorm.weight": (layer.input_norm, 0),
-        "post_attention_layernorm.weight": (layer.post_attn_norm, 0),
-        "self_attn.q_proj.weight": (layer.attn.qkv_proj.weight, 0),
-        "self_attn.k_proj.weight": (layer.attn.qkv_proj.weight, q),
-        "self_attn.v_proj.weight": (layer.attn.qkv_proj.weight, q + kv),
-        "self_attn.o_proj.weight": (layer.attn.o_proj.weight, 0),
-        "mlp.gate_proj.weight": (layer.mlp.gate_up_proj.weight, 0),
-        "mlp.up_proj.weight": (layer.mlp.gate_up_proj.weight, ff),
-        "mlp.down_proj.weight": (layer.mlp.down_proj.weight, 0),
-    }.get(m.group(2))
+        "self_attn.q_proj.weight": (attn.qkv_proj.weight, 0),
+        "self_attn.k_proj.weight": (attn.qkv_proj.weight, q),
+        "self_attn.v_proj.weight": (attn.qkv_proj.weight, q + kv),
+        "self_attn.o_proj.weight": (attn.o_proj.weight, 0),
+        "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0),
+        "mlp.up_proj.weight": (mlp.gate_up_proj.weight, ff),
+        "mlp.down_proj.weight": (mlp.down_proj.weight, 0),
+    }
+    if cfg.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention's output
+        places |= {"post_attention_layernorm.weight": (layer.attn_out_norm, 0),
+                   "pre_feedforward_layernorm.weight": (layer.mlp_norm, 0),
+                   "post_feedforward_layernorm.weight": (layer.mlp_out_norm, 0)}
+    else:
+        places["post_attention_layernorm.weight"] = (layer.mlp_norm, 0)
+    if cfg.qkv_bias:
+        places |= {"self_attn.q_proj.bias": (attn.qkv_bias, 0),
+                   "self_attn.k_proj.bias": (attn.qkv_bias, q),
+                   "self_attn.v_proj.bias": (attn.qkv_bias, q + kv)}
+    if cfg.qk_norm:
+        places |= {"self_attn.q_norm.weight": (attn.q_norm, 0),
+                   "self_attn.k_norm.weight": (attn.k_norm, 0)}
+    return places.get(m.group(2))
 
 
 def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
@@ -175,6 +164,8 @@ def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> t
     first_kv, kvl = tp.kv_heads(cfg.num_kv_heads)
     ff = tp.split(cfg.intermediate_size, "MLP columns (intermediate_size)")
     rank = tp.rank
+    if name.endswith(".bias"):  # cut as its weight's rows
+        name = name.removesuffix(".bias") + ".weight"
     if name == "self_attn.q_proj.weight":
         return w[rank * h * d : (rank + 1) * h * d]
     if name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
@@ -192,8 +183,8 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel | None = None, keep_q4_1: bool = False) -> LlamaModel:
     """Build the model (this rank's part of it) on `device` in `dtype` and fill every weight
     from the files; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
+    cfg, norm_offset = read_family(files)
     if files.gguf_file:
-        cfg = config_from_gguf(gguf_metadata(files.path))
         import gguf
 
         names = {t.name: t for t in gguf.GGUFReader(files.path).tensors}
@@ -202,8 +193,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
         tensors = _gguf_tensors(files.path, cfg)
     else:
-        cfg = config_from_hf(hf_config(files.folder))
-        tensors = _safetensors(files.folder)
+        tensors = _unfused(_safetensors(files.folder), cfg)
     with torch.device("meta"):
         model = LlamaModel(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
@@ -215,6 +205,8 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             if dest is None:
                 continue
             tensor, row = dest
+            if norm_offset and name.endswith("norm.weight"):
+                w = w.float() + norm_offset
             w = shard(name.split(".", 3)[-1], w, cfg, model.tp)  # the per-layer suffix
             tensor[row : row + w.shape[0]].copy_(w)
             filled.add(name)
@@ -242,5 +234,11 @@ def _expected_names(cfg: LlamaConfig) -> set[str]:
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     per_layer = [n for n in _GGUF_NAMES.values() if not n.startswith(("model.", "lm_head"))]
+    if cfg.sandwich_norms:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if cfg.qkv_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer)
     return names

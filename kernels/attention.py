@@ -4,7 +4,9 @@ The KV cache of one layer is a pool of blocks per KV head, k_cache/v_cache [KVH,
 block_size, D]; a sequence's tokens live in the blocks its block table lists, token i in block
 i // block_size at offset i % block_size. Head-major, so a sequence's blocks gathered for one head
 are one contiguous [tokens, D] matrix. Query heads H are a multiple of KV heads (grouped-query
-attention).
+attention). Some families add two things every kernel takes: a sliding window (a query at
+position p sees only keys p - window < i <= p; 0: no window) and a soft cap on the scores
+(softcap * tanh(s / softcap); 0: none).
 """
 
 from typing import NamedTuple
@@ -46,9 +48,17 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, b:
                  for c in (k_cache, v_cache))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [..., G, D] against k [..., L, D]: scaled fp32 scores [..., G, L]."""
-    return torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float = 0.0
+            ) -> torch.Tensor:
+    """q [..., G, D] against k [..., L, D]: scaled (and soft-capped) fp32 scores [..., G, L]."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
+
+
+def _hidden(keys: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a query at q_pos [..., 1] must not see key position keys [L]."""
+    hidden = keys > q_pos
+    return hidden | (keys <= q_pos - window) if window else hidden
 
 
 class DecodePlan(NamedTuple):
@@ -60,6 +70,8 @@ class DecodePlan(NamedTuple):
     # additive mask [B, 1, 1, L] for SDPA. More, or cascade: True on the keys each one skips.
     mask: torch.Tensor | None
     length: int  # keys read per sequence: one sequence's context, else the gathered width
+    block_tables: torch.Tensor  # as given, for layers with a window or soft cap
+    context_lens: torch.Tensor
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
@@ -70,7 +82,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
     b, nb = block_tables.shape
     bs = k_cache.shape[2]
     if b == 1 and not shared_blocks:
-        return DecodePlan(_rows(block_tables, k_cache), None, None, int(context_lens[0]))
+        return DecodePlan(_rows(block_tables, k_cache), None, None, int(context_lens[0]),
+                          block_tables, context_lens)
     head_rows = _rows(block_tables[:1, :shared_blocks], k_cache) if shared_blocks else None
     own = (nb - shared_blocks) * bs
     hidden = (torch.arange(own, device=k_cache.device)[None, :]
@@ -78,16 +91,25 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
     if b <= SDPA_MAX_DECODE and not shared_blocks:
         hidden = torch.zeros(hidden.shape, dtype=k_cache.dtype,
                              device=k_cache.device).masked_fill_(hidden, float("-inf"))
-    return DecodePlan(_rows(block_tables[:, shared_blocks:], k_cache), head_rows, hidden, own)
+    return DecodePlan(_rows(block_tables[:, shared_blocks:], k_cache), head_rows, hidden, own,
+                      block_tables, context_lens)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: DecodePlan, scale: float) -> torch.Tensor:
+                     plan: DecodePlan, scale: float, window: int = 0, softcap: float = 0.0
+                     ) -> torch.Tensor:
     """One query token per sequence, q [B, H, D], attending to its context (see plan_decode)."""
     b, h, d = q.shape
     kvh = k_cache.shape[0]
     # Each KV head serves a group of query heads: the group is the "query length".
     qg = q.view(b, kvh, h // kvh, d)
+    if window or softcap:
+        # The plain path over whole tables: the plan's fast paths assume every key counts.
+        k, v = _gather(k_cache, v_cache, _rows(plan.block_tables, k_cache), b)
+        keys = torch.arange(k.shape[2], device=q.device)
+        hidden = _hidden(keys, plan.context_lens[:, None] - 1, window)
+        scores = _scores(qg, k, scale, softcap).masked_fill_(hidden[:, None, None], float("-inf"))
+        return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, d)
     k, v = _gather(k_cache, v_cache, plan.rows, b)
     if plan.mask is None:
         n = plan.length
@@ -117,7 +139,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
-    max_query_len: int, scale: float,
+    max_query_len: int, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Variable-length chunks q [T, H, D]: chunk i is q[query_start[i]:query_start[i + 1]], the
     last tokens of its sequence's context_lens[i] (earlier ones already cached), causal within
@@ -132,7 +154,14 @@ def prefill_attention(
         table = block_tables[i : i + 1, : -(-ctx // bs)]
         k, v = (c[:, :, :ctx] for c in _gather(k_cache, v_cache, _rows(table, k_cache), 1))
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if ctx == n:
+        if window or softcap:
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            hidden = _hidden(torch.arange(ctx, device=q.device), q_pos, window)
+            g = h // kvh
+            scores = _scores(qi, k.repeat_interleave(g, 1), scale, softcap).masked_fill_(
+                hidden, float("-inf"))
+            o = torch.matmul(scores.softmax(-1).to(v.dtype), v.repeat_interleave(g, 1))
+        elif ctx == n:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
                                                enable_gqa=h != kvh)
         else:
@@ -151,8 +180,8 @@ FIXED_TILE = 64
 
 
 def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, visible: torch.Tensor, scale: float
-                          ) -> torch.Tensor:
+                          block_tables: torch.Tensor, visible: torch.Tensor, scale: float,
+                          window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, n, H, D]: n queries of each of B sequences; query j of sequence i sees its first
     visible[i, j] keys. An online softmax in float32 over fixed tiles of keys, so a query's
     result does not depend on what else is in the step (a decode row and the same position
@@ -176,13 +205,14 @@ def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for start in range(0, int(visible.max()), tile):
         lo = 0 if chunk is None else int(torch.searchsorted(chunk, start, right=True)) * g
         keys = torch.arange(start, start + tile, device=q.device)
-        s = torch.matmul(rows[:, :, lo:], k[:, :, start:start + tile].float().transpose(-1, -2))
-        s = s.mul_(scale).masked_fill_(keys >= seen[:, :, lo:], float("-inf"))
-        # Every query sees key 0, so the running maximum is finite from the first tile on;
-        # a tile a query cannot see leaves its sums exactly as they were (exp(0) = 1, p = 0).
+        s = _scores(rows[:, :, lo:], k[:, :, start:start + tile].float(), scale, softcap)
+        s = s.masked_fill_(_hidden(keys, seen[:, :, lo:] - 1, window), float("-inf"))
+        # A tile a query cannot see leaves its sums exactly as they were (exp(0) = 1, p = 0);
+        # before its window's first key (the maximum still -inf) it adds nothing either.
         m_new = torch.maximum(m[:, :, lo:], s.amax(-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        alpha = torch.exp(m[:, :, lo:] - m_new)
+        m_safe = m_new.nan_to_num(neginf=0.0)
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(m[:, :, lo:] - m_safe)
         total[:, :, lo:] = total[:, :, lo:] * alpha + p.sum(-1, keepdim=True)
         acc[:, :, lo:] = acc[:, :, lo:] * alpha + torch.matmul(
             p, v[:, :, start:start + tile].float())

@@ -2,7 +2,8 @@
 
 Layouts as there: k_cache/v_cache [KVH, num_blocks, block_size, D] (contiguous), block tables
 [B, max_blocks] padded with 0, H = G * KVH query heads (query head h reads KV head h // G).
-Scores are accumulated in fp32 and exponentiated in base 2 (the scale folds in log2(e)).
+Scores are accumulated in fp32 and exponentiated in base 2 (the scale folds in log2(e)). A
+sliding window and a soft cap on the scores as there (window 0, softcap 0: none).
 """
 
 import math
@@ -53,15 +54,18 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(d))
 
 
+LOG2E = math.log2(math.e)  # the host's; kernels spell it out (globals must be constexpr)
+
+
 @triton.jit
 def _attend_tile(
     q, row_max, row_sum, acc, k_ptr, v_ptr, table_ptr, first, visible_end, q_pos, c, d,
-    cache_stride_block, cache_stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr,
+    cache_stride_block, cache_stride_slot, scale_log2, window, softcap, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of the queries q over keys [first, first + BLOCK_N) of one KV
-    head (k_ptr, v_ptr), read through the block table: the keys before visible_end and at or
-    before a query's position q_pos count for it."""
+    head (k_ptr, v_ptr), read through the block table: the keys before visible_end, at or
+    before a query's position q_pos and (window > 0) after q_pos - window count for it."""
     n = first + tl.arange(0, BLOCK_N)
     valid = n < visible_end
     # Lanes past visible_end leave the table alone: its row may end before their block.
@@ -70,10 +74,17 @@ def _attend_tile(
     kv_mask = valid[:, None] & (c < d)[None, :]
     k = tl.load(k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    if softcap > 0:
+        # softcap * tanh(x / softcap) on the natural-log scores, tanh(y) = 1 - 2 / (e^2y + 1).
+        s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
+    seen = valid[None, :] & (n[None, :] <= q_pos[:, None])
+    seen = seen & ((window == 0) | (n[None, :] > q_pos[:, None] - window))
+    s = tl.where(seen, s, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(s, axis=1))
-    p = tl.exp2(s - new_max[:, None])
-    alpha = tl.exp2(row_max - new_max)
+    # A query whose window starts past this tile has seen nothing yet: keep its sums at 0.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.exp2(s - safe_max[:, None])
+    alpha = tl.exp2(row_max - safe_max)
     # Unseen lanes must read as 0, not stale cache contents: 0 * NaN would still be NaN.
     v = tl.load(v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -83,8 +94,9 @@ def _attend_tile(
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, max_ptr, sum_ptr, acc_ptr,
-    scale_log2, q_stride_b, q_stride_h, table_stride, cache_stride_head, cache_stride_block,
-    cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+    scale_log2, window, softcap, q_stride_b, q_stride_h, table_stride, cache_stride_head,
+    cache_stride_block, cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr,
+    PARTITION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -98,8 +110,9 @@ def _decode_partial_kernel(
     part = tl.program_id(2)
     parts = tl.num_programs(2)
     ctx = tl.load(context_lens_ptr + b)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, ctx)
+    # A partition wholly before the window reads nothing.
+    start = tl.maximum(part * PARTITION, tl.where(window > 0, ctx - window, 0))
+    end = tl.minimum(part * PARTITION + PARTITION, ctx)
     g = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D)
     heads = kv_head * group + g
@@ -116,7 +129,7 @@ def _decode_partial_kernel(
             q, row_max, row_sum, acc, k_cache_ptr + kv_head * cache_stride_head,
             v_cache_ptr + kv_head * cache_stride_head,
             table, first, end, q_pos, c, d, cache_stride_block, cache_stride_slot, scale_log2,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            window, softcap, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     stat = (b * tl.num_programs(1) * group + heads) * parts + part
     tl.store(max_ptr + stat, row_max, mask=g_mask)
     tl.store(sum_ptr + stat, row_sum, mask=g_mask)
@@ -169,7 +182,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: DecodePlan, scale: float) -> torch.Tensor:
+                     plan: DecodePlan, scale: float, window: int = 0, softcap: float = 0.0
+                     ) -> torch.Tensor:
     """One query token per sequence, q [B, H, D], attending to its first context_lens[b] tokens.
     The partition count follows from the table's width alone, so nothing waits for the device."""
     block_tables, context_lens = plan
@@ -183,7 +197,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     _decode_partial_kernel[(b, kvh, parts)](
         q, k_cache, v_cache, block_tables, context_lens, maxes, sums, partial_out,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), block_tables.stride(0),
+        scale * LOG2E, window, softcap, q.stride(0), q.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], h // kvh, d, BLOCK_SIZE=block_size, PARTITION=PARTITION_SIZE,
         BLOCK_N=min(BLOCK_N, PARTITION_SIZE),
         BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_D=_head_block(d),
@@ -197,8 +211,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
-    scale_log2, q_stride_t, q_stride_h, table_stride, cache_stride_head, cache_stride_block,
-    cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    scale_log2, window, softcap, q_stride_t, q_stride_h, table_stride, cache_stride_head,
+    cache_stride_block, cache_stride_slot, group, d, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (N, cdiv(max_query_len, BLOCK_M), H): program (i, j, h) computes query head h of
@@ -226,11 +241,14 @@ def _prefill_kernel(
     kv_offset = (head // group).to(tl.int64) * cache_stride_head
     # No key after the tile's last query is visible to any of it.
     visible_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
-    for first in range(0, visible_end, BLOCK_N):
+    # Nor any key before the window of the tile's first query.
+    visible_start = tl.where(window > 0, tl.maximum(0, ctx - q_len + tile * BLOCK_M - window + 1),
+                             0)
+    for first in range(visible_start, visible_end, BLOCK_N):
         row_max, row_sum, acc = _attend_tile(
             q, row_max, row_sum, acc, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset, table,
             first, visible_end, q_pos, c, d, cache_stride_block, cache_stride_slot, scale_log2,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            window, softcap, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     heads = tl.num_programs(2)
     out = acc / row_sum[:, None]
     tl.store(out_ptr + (tokens[:, None] * heads + head) * d + c[None, :],
@@ -240,7 +258,7 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
-    max_query_len: int, scale: float,
+    max_query_len: int, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Variable-length chunks q [T, H, D]: chunk i is q[query_start[i]:query_start[i + 1]], the
     last tokens of its sequence's context_lens[i] (earlier ones already cached), causal within
@@ -252,7 +270,7 @@ def prefill_attention(
     grid = (context_lens.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), block_tables.stride(0),
+        scale * LOG2E, window, softcap, q.stride(0), q.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], h // kvh, d, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_D=_head_block(d),
         DOT_PRECISION=_dot_precision(q.dtype))

@@ -4,6 +4,9 @@ import math
 
 import torch
 
+# Rope scaling types (rope_type) rotary_cache implements.
+SCALINGS = ("default", "linear", "llama3")
+
 
 def rotary_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
@@ -35,7 +38,7 @@ def _scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    raise ValueError(f"rope scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
 
 
 def rotary_angles(positions: torch.Tensor, cache: torch.Tensor

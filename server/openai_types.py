@@ -60,7 +60,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     n: Choices = 1
     temperature: Temperature | None = None
-    top_p: TopP = 1.0
+    top_p: TopP | None = None  # None: the model's generation_config.json, else 1
     seed: Seed | None = None
     stop: Stop | None = None
     presence_penalty: Penalty = 0.0
@@ -70,7 +70,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions, as in vLLM
-    top_k: Annotated[int, Meta(ge=-1)] = 0
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # None: as top_p; else 0 (off)
     min_p: Probability = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: Annotated[int, Meta(ge=0)] = 0

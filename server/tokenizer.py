@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from surge.model_files import ModelFiles
+from surge.model_files import ModelFiles, generation_config
+
+# generation_config.json's sampling defaults a request without its own takes, as vLLM does.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 class Tokenizer:
@@ -13,7 +20,12 @@ class Tokenizer:
 
         kwargs = {"gguf_file": files.gguf_file} if files.gguf_file else {}
         self.hf: Any = AutoTokenizer.from_pretrained(files.folder, **kwargs)
-        self.eos_token_ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
+        generation = generation_config(files)
+        # Llama 3 and Qwen end a turn with one of several ids: each of them stops a request.
+        self.eos_token_ids = sorted(set(_ids(self.hf.eos_token_id))
+                                    | set(_ids(generation.get("eos_token_id"))))
+        self.sampling_defaults: dict[str, float] = {
+            k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -229,13 +229,19 @@ class RequestTranslator:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model",
                                param="logit_bias")
             bias[int(key)] = value
+        defaults = self.tokenizer.sampling_defaults
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
+            temperature=_given(body.temperature, defaults.get("temperature", 1.0)),
+            top_p=_given(body.top_p, defaults.get("top_p", 1.0)),
+            top_k=max(int(_given(body.top_k, defaults.get("top_k", 0))), 0), min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,
             min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def stop_strings(body: Body) -> list[str]:

@@ -64,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_model(model: str) -> None:
+    """A model surge cannot find or serve is refused here, in one line, before any process
+    starts (not by a traceback in a worker)."""
+    from gpu_workers.families import UnsupportedModel, read_family
+    from surge.model_files import ModelError, resolve_model
+
+    try:
+        read_family(resolve_model(model))
+    except (ModelError, UnsupportedModel) as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
@@ -71,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(vars(args))
             from gpu_workers.devices import resolve  # imports torch: for serve only
 
+            _check_model(cfg.model.model)
             # Devices and the number of ranks are settled before any worker touches CUDA.
             cfg = msgspec.structs.replace(cfg, model=resolve(cfg.model))
             if cfg.speculative.has_draft and cfg.model.tensor_parallel_size > 1:

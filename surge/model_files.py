@@ -114,6 +114,16 @@ def hf_config(folder: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def generation_config(files: ModelFiles) -> dict[str, Any]:
+    """A Hugging Face folder's generation_config.json (defaults for sampling, the EOS ids);
+    empty for a GGUF file or a folder without one."""
+    path = os.path.join(files.folder, "generation_config.json")
+    if files.gguf_file or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def default_name(files: ModelFiles) -> str:
     if files.gguf_file:
         return files.gguf_file.split(".")[0]

@@ -17,13 +17,17 @@ from kernels import (
 )
 
 
-def _dense(q, k, v, q_positions, scale):
-    """q [n, H, D] at q_positions over k/v [ctx, KVH, D]; each query sees keys <= its position."""
+def _dense(q, k, v, q_positions, scale, window=0, softcap=0.0):
+    """q [n, H, D] at q_positions over k/v [ctx, KVH, D]; each query sees keys <= its position
+    (and, with a window, the last `window` of them only)."""
     h, kvh = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // kvh, dim=1)
     v = v.repeat_interleave(h // kvh, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    mask = torch.arange(k.shape[0])[None, :] > q_positions[:, None]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    distance = q_positions[:, None] - torch.arange(k.shape[0])[None, :]
+    mask = (distance < 0) | (distance >= window if window else False)
     scores = scores.masked_fill(mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -154,6 +158,37 @@ def test_fixed_order_attention_does_not_depend_on_the_batch(dtype):
         chunk = fixed_order_attention(q[lo : pos + 1][None], k_cache, v_cache, tables[:1],
                                       torch.arange(lo + 1, pos + 2)[None], 0.125)[0, -1]
         assert torch.equal(chunk, whole[pos]), pos
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 2.0), (16, 2.0)])
+def test_window_and_softcap_in_every_attention_kernel(window, softcap):
+    """Decode (both CPU paths, and over shared blocks), prefill chunks after cached context and
+    the fixed-order kernel, each against the dense definition."""
+    lengths = [3, 9, 20, 37]
+    k_cache, v_cache, tables, ks, vs = _paged(lengths, 4, 3, 8, seed=4)
+    lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), 9, 8)
+    want = torch.cat([_dense(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]), 0.3, window,
+                             softcap) for i, n in enumerate(lengths)])
+    for b in (1, len(lengths)):
+        plan = plan_decode(tables[:b], lens[:b], k_cache)
+        out = decode_attention(q[:b], k_cache, v_cache, plan, 0.3, window, softcap)
+        torch.testing.assert_close(out, want[:b], rtol=1e-5, atol=1e-5)
+    out = fixed_order_attention(q[:, None], k_cache, v_cache, tables, lens[:, None], 0.3,
+                                window, softcap)[:, 0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    query = [3, 2, 11, 37]
+    q = torch.randn(sum(query), 9, 8)
+    starts = torch.tensor([0, *query]).cumsum(0)
+    out = prefill_attention(q, k_cache, v_cache, tables, starts, lens, max(query), 0.3, window,
+                            softcap)
+    for i, (n, ctx) in enumerate(zip(query, lengths, strict=True)):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        want = _dense(q[rows], ks[i], vs[i], torch.arange(ctx - n, ctx), 0.3, window, softcap)
+        torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5)
+    chunk = fixed_order_attention(q[None, starts[3]:], k_cache, v_cache, tables[3:],
+                                  torch.arange(1, 38)[None], 0.3, window, softcap)[0]
+    torch.testing.assert_close(chunk, out[starts[3]:], rtol=1e-5, atol=1e-5)
 
 
 def test_add_rms_norm_matches_definition():

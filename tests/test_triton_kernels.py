@@ -156,6 +156,28 @@ def test_attention_in_half_precision_with_int32_indices(monkeypatch: pytest.Monk
     _close(_poisoned(DECODE_TRITON, *decode), DECODE(*decode))
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (70, 0.0), (0, 2.0), (9, 2.0)])
+def test_window_and_softcap(monkeypatch: pytest.MonkeyPatch, window: int, softcap: float
+                            ) -> None:
+    """Windows shorter than a chunk, than a key tile and than a decode partition, and soft
+    capping, in prefill and decode."""
+    args = _prefill_case(4, 9, 3, torch.float32, torch.int64)
+    _close(_poisoned(attention_triton.prefill_attention, *args, window, softcap),
+           attention.prefill_attention(*args, window, softcap))
+    monkeypatch.setattr(attention_triton, "PARTITION_SIZE", 16)
+    q, k_cache, v_cache, tables, _, lens = args[:6]
+    q = q[: len(lens)]
+    want = attention.decode_attention(q, k_cache, v_cache, attention.plan_decode(
+        tables, lens, k_cache), 0.3, window, softcap)
+
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        plan = attention_triton.plan_decode(tables, lens, k_cache)
+        return attention_triton.decode_attention(q, k_cache, v_cache, plan, 0.3, window, softcap)
+
+    _close(_poisoned(decode, q, k_cache, v_cache, tables, lens), want)
+
+
 def _step(seqs: list[tuple[list[int], int, list[int]]], block_size: int
           ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) on DEVICE for (token ids, first position, block table)

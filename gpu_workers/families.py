@@ -1,0 +1,132 @@
+"""The model families surge serves: each checkpoint's config read into LlamaConfig's switches (see
+gpu_workers/llama.py), and what its weights need at load."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from gpu_workers.llama import LlamaConfig
+from kernels.rotary import SCALINGS
+from surge.model_files import ModelFiles, gguf_metadata, hf_config
+
+# Hugging Face model_type values, and GGUF general.architecture values.
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GGUF_FAMILIES = ("llama",)
+# Their RMSNorms multiply by (1 + w): the weights are stored as w.
+_PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
+# MLP activations (hidden_act / hidden_activation) -> LlamaConfig.activation.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint of a family (or with a feature) surge does not implement."""
+
+
+class Family(NamedTuple):
+    cfg: LlamaConfig
+    norm_offset: float  # added to every RMSNorm weight as it is loaded (Gemma's 1 + w)
+
+
+def architecture(files: ModelFiles) -> str:
+    """The checkpoint's model_type, or its GGUF architecture; refused unless surge serves it."""
+    if files.gguf_file:
+        arch = str(gguf_metadata(files.path)["general.architecture"])
+        supported = GGUF_FAMILIES
+    else:
+        arch = str(hf_config(files.folder).get("model_type"))
+        supported = HF_FAMILIES
+    if arch not in supported:
+        kind = "GGUF architecture" if files.gguf_file else "model_type"
+        raise UnsupportedModel(f"{files.path}: {kind} {arch!r} is not supported; surge serves "
+                               f"{', '.join(supported)}")
+    return arch
+
+
+def read_family(files: ModelFiles) -> Family:
+    arch = architecture(files)
+    if files.gguf_file:
+        return Family(config_from_gguf(gguf_metadata(files.path)), 0.0)
+    from transformers import AutoConfig
+
+    # transformers fills each family's defaults (layer types, rope parameters) as its own
+    # implementation reads them.
+    config = AutoConfig.from_pretrained(files.folder)
+    return Family(config_from_hf(config), 1.0 if arch in _PLUS_ONE_NORMS else 0.0)
+
+
+def config_from_hf(c: Any) -> LlamaConfig:
+    """A transformers config (PretrainedConfig) of one of HF_FAMILIES -> LlamaConfig."""
+    kind = c.model_type
+    heads = c.num_attention_heads
+    rope = dict(c.rope_parameters or {})
+    local_theta = 0.0
+    if kind == "gemma3_text":  # one rope per layer type
+        local_theta = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    if rope.get("rope_type", "default") not in SCALINGS:
+        raise UnsupportedModel(f"{kind}: rope scaling {rope['rope_type']!r} is not supported "
+                               f"({', '.join(SCALINGS)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel(f"{kind}: partial rotary embeddings are not supported")
+    if kind in ("llama", "mistral") and (getattr(c, "attention_bias", False)
+                                         or getattr(c, "mlp_bias", False)):
+        raise UnsupportedModel(f"{kind}: attention_bias / mlp_bias are not supported")
+    act = getattr(c, "hidden_activation", None) or c.hidden_act
+    if act not in _ACTIVATIONS:
+        raise UnsupportedModel(f"{kind}: MLP activation {act!r} is not supported")
+    window = getattr(c, "sliding_window", None) or 0
+    types = getattr(c, "layer_types", None)
+    # Mistral and Phi-3 name no layer types: a window, when set, is every layer's.
+    windowed = ([t == "sliding_attention" for t in types] if types
+                else [bool(window)] * c.num_hidden_layers)
+    gemma = kind.startswith("gemma")
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", 10000.0),
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        qkv_bias=kind == "qwen2" or (kind == "qwen3" and c.attention_bias),
+        qk_norm=kind in ("qwen3", "gemma3_text"),
+        sandwich_norms=gemma,
+        activation=_ACTIVATIONS[act],
+        embed_scale=c.hidden_size**0.5 if gemma else 1.0,
+        attn_scale=c.query_pre_attn_scalar**-0.5 if gemma else 0.0,
+        attn_softcap=(getattr(c, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
+        final_softcap=(getattr(c, "final_logit_softcapping", None) or 0.0) if gemma else 0.0,
+        sliding_window=window if any(windowed) else 0,
+        window_layers=windowed if window and any(windowed) else [],
+        local_rope_theta=local_theta,
+    )
+
+
+def config_from_gguf(meta: dict) -> LlamaConfig:
+    arch = meta["general.architecture"]
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    scaling = None
+    if f"{arch}.rope.scaling.type" in meta:
+        scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
+                   "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    vocab = meta.get(f"{arch}.vocab_size")
+    return LlamaConfig(
+        vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        tie_word_embeddings=True,  # corrected by the loader when output.weight exists
+    )

@@ -1,0 +1,52 @@
+"""A tiny random model of each family surge serves, its quirks switched on, saved as a Hugging
+Face safetensors folder: 2 layers, hidden 64, 4 query heads over 2 KV heads."""
+
+from __future__ import annotations
+
+import torch
+
+WINDOW = 8  # shorter than the test prompts plus their answers
+
+# family -> (transformers config class, its quirks)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama3": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=WINDOW,
+                                        query_pre_attn_scalar=24, sliding_window_pattern=2,
+                                        final_logit_softcapping=3.0, rope_parameters=dict(
+                                            full_attention=dict(rope_type="default",
+                                                                rope_theta=1e6),
+                                            sliding_attention=dict(rope_type="default",
+                                                                   rope_theta=1e4)))),
+}
+
+
+def save_tiny(folder: str, family: str, seed: int = 0) -> None:
+    import transformers
+
+    cls, quirks = FAMILIES[family]
+    cfg = getattr(transformers, cls)(**{
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               bos_token_id=0, eos_token_id=255),
+        **quirks})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    # Every weight random (biases and norms too, which start as 0 or 1), larger than the default
+    # init so that the greedy path depends on every layer. Gemma scales its embeddings by 8 here:
+    # smaller ones keep them from drowning the layers' output.
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.3 if "norm" in name or name.endswith("bias") else 0.1
+            if gemma:
+                std = 0.02 if "embed" in name else 2 * std
+            p.normal_(1.0 if "norm" in name and not gemma else 0.0, std)
+    model.save_pretrained(folder, safe_serialization=True)
