@@ -25,15 +25,16 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: DecodePlan, scale: float) -> torch.Tensor:
+                     plan: DecodePlan, scale: float, window: int = 0, softcap: float = 0.0
+                     ) -> torch.Tensor:
     return extension().paged_attention(q, k_cache, v_cache, plan.tables, plan.seq_of,
-                                       plan.visible, scale)
+                                       plan.visible, scale, window, softcap)
 
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
-    max_query_len: int, scale: float,
+    max_query_len: int, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     lens = query_start[1:] - query_start[:-1]
     seq_of = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
@@ -41,4 +42,5 @@ def prefill_attention(
     # every key up to and including it.
     visible = context_lens[seq_of] - query_start[1:][seq_of] + 1 + torch.arange(
         q.shape[0], device=q.device)
-    return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale)
+    return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale,
+                                       window, softcap)

@@ -29,35 +29,40 @@ def test_the_extension_builds_where_a_compiler_exists():
 shapes = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),
                    st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.bfloat16]),
                    st.lists(st.integers(1, 80), min_size=1, max_size=5))
+# (window, softcap): none, a sliding window shorter than most contexts, Gemma's soft cap.
+extras = st.sampled_from([(0, 0.0), (7, 0.0), (0, 5.0), (20, 5.0)])
 
 
 @settings(max_examples=40, deadline=None)
-@given(shapes)
-def test_decode_attention(shape):
+@given(shapes, extras)
+def test_decode_attention(shape, extra):
     block_size, (h, kvh), d, dtype, lengths = shape
+    window, softcap = extra
     k_cache, v_cache, tables, _, _ = _paged(lengths, block_size, kvh, d, num_blocks=512)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     # Unwritten slots hold 1e4 (see _paged): in bf16 they would swamp any leak, as intended.
     q = torch.randn(len(lengths), h, d).to(dtype)
     lens = torch.tensor(lengths)
     want = attention.decode_attention(q, k_cache, v_cache,
-                                      attention.plan_decode(tables, lens, k_cache), 0.3)
+                                      attention.plan_decode(tables, lens, k_cache), 0.3,
+                                      window, softcap)
     got = attention_cpu.decode_attention(q, k_cache, v_cache,
-                                         attention_cpu.plan_decode(tables, lens, k_cache), 0.3)
+                                         attention_cpu.plan_decode(tables, lens, k_cache), 0.3,
+                                         window, softcap)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @settings(max_examples=30, deadline=None)
-@given(shapes, st.data())
-def test_prefill_attention_with_cached_context(shape, data):
+@given(shapes, extras, st.data())
+def test_prefill_attention_with_cached_context(shape, extra, data):
     block_size, (h, kvh), d, dtype, context = shape
     query = [data.draw(st.integers(1, n)) for n in context]
     k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=512)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     q = torch.randn(sum(query), h, d).to(dtype)
     args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
-            torch.tensor(context), max(query), 0.25)
+            torch.tensor(context), max(query), 0.25, *extra)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(attention_cpu.prefill_attention(*args),
                                attention.prefill_attention(*args), rtol=tol, atol=tol)

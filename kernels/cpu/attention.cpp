@@ -33,7 +33,7 @@ template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
             int64_t table_stride, const int64_t* seq_of, const int64_t* visible, T* out,
             int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
-            int64_t block_size, float scale) {
+            int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), kf(block_size * dim),
@@ -48,7 +48,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t start = 0; start < context; start += block_size) {
+      // A sliding window hides every key more than `window` positions back.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+      for (int64_t start = first / block_size * block_size; start < context;
+           start += block_size) {
         const int64_t n = std::min(block_size, context - start);
         const int64_t offset = ((kh * num_blocks + table[start / block_size]) * block_size) * dim;
         // The block once in float32, shared by every head of the group.
@@ -62,6 +65,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kt[d];
+            if (softcap > 0.0f) dot = softcap * std::tanh(dot / softcap);
+            if (start + t < first) dot = -std::numeric_limits<float>::infinity();
             s[t] = dot;
             top = std::max(top, dot);
           }
@@ -92,11 +97,12 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 }  // namespace
 
 // q [rows, H, D]; k_cache, v_cache [KVH, num_blocks, block_size, D]; block_tables [S, max_blocks]
-// (int64); seq_of [rows]: each row's table; visible [rows]: the keys it sees (>= 1).
+// (int64); seq_of [rows]: each row's table; visible [rows]: the keys it sees (>= 1); window: keys
+// it sees at most (0: all); softcap: scores soft-capped to (-softcap, softcap) (0: not).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_of, const torch::Tensor& visible,
-                              double scale) {
+                              double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, H, D], caches [KVH, N, BS, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
   auto qc = q.contiguous();
@@ -113,7 +119,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), tables.size(1),
                      seqs.data_ptr<int64_t>(), seen.data_ptr<int64_t>(),
                      out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, num_blocks,
-                     k_cache.size(2), static_cast<float>(scale));
+                     k_cache.size(2), static_cast<float>(scale), window,
+                     static_cast<float>(softcap));
   });
   return out;
 }

@@ -3,7 +3,7 @@
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_of, const torch::Tensor& visible,
-                              double scale);
+                              double scale, int64_t window, double softcap);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                                         const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
