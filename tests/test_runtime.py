@@ -100,7 +100,7 @@ def test_a_running_server_is_trusted(server, in_base):
     assert find_server(server.port) == find_server(None) == server.runtime_dir
     assert find_server(None, server.runtime_dir) == server.runtime_dir
     assert recorded(server.runtime_dir, "port") == str(server.port)
-    out = _admin("get", "--runtime-dir", server.runtime_dir)
+    out = _admin("get", "--json", "--runtime-dir", server.runtime_dir)
     assert out.returncode == 0 and json.loads(out.stdout)["ok"], out.stderr
 
 
@@ -260,7 +260,7 @@ def test_malformed_messages_on_internal_channels_are_not_fatal(server):
             admin.close(linger=0)
         requests = ctx.socket(zmq.PUSH)
         requests.connect(f"ipc://{server.runtime_dir}/requests")
-        for raw in (b"\xc1", msgspec.msgpack.encode({"type": "EngineRequest"})):
+        for raw in (b"\xc1", msgspec.msgpack.encode({"type": "EngineRequests"})):
             requests.send(raw)
         requests.close(linger=1000)
     finally:
@@ -271,6 +271,6 @@ def test_malformed_messages_on_internal_channels_are_not_fatal(server):
     with urllib.request.urlopen(req, timeout=60) as r:
         assert json.load(r)["choices"][0]["text"]
     assert _healthy(server)
-    out = _admin("get", "--runtime-dir", server.runtime_dir)
+    out = _admin("get", "--json", "--runtime-dir", server.runtime_dir)
     assert out.returncode == 0 and json.loads(out.stdout)["ok"], out.stderr
     assert "malformed admin request" in server.output()
