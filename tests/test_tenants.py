@@ -64,7 +64,7 @@ def _complete(client: openai.OpenAI, max_tokens: int = 2) -> str:
 
 def _admin(env: dict, server: ServerProcess, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "surge.cli", "admin", "--port",
-                           str(server.port), *args], capture_output=True, text=True,
+                           str(server.port), "--json", *args], capture_output=True, text=True,
                           env=env["env"], timeout=60)
 
 
