@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 
@@ -43,6 +45,17 @@ class ServerProcess:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"surge did not become ready:\n{self.output()}")
+
+    def post(self, path: str, body: dict | bytes, timeout: float = 300) -> tuple[int, dict]:
+        """POST a JSON body (a dict, or bytes sent as they are): the status and the answer."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
 
     def output(self) -> str:
         self.log.flush()

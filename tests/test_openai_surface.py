@@ -33,18 +33,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
-def _post(server, path: str, body: bytes | str | dict) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if isinstance(body, dict) else (
-        body.encode() if isinstance(body, str) else body)
-    req = urllib.request.Request(f"{server.url}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
-
-
 def _stats(server) -> dict:
     with urllib.request.urlopen(f"{server.url}/stats") as r:
         return json.load(r)
@@ -257,7 +245,7 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi", "timeout": 1e-300}, "timeout"),
 ])
 def test_bad_parameters(server, body, param):
-    code, payload = _post(server, "/v1/completions", body)
+    code, payload = server.post("/v1/completions", body)
     assert code == 400, payload
     assert payload["error"]["param"] == param, payload
 
@@ -266,25 +254,25 @@ def test_bad_parameters(server, body, param):
 def test_deeply_nested_json_is_a_400(server, field):
     depth = 100_000
     body = b'{"prompt": "hi", "' + field.encode() + b'": ' + b"[" * depth + b"]" * depth + b"}"
-    code, payload = _post(server, "/v1/completions", body)
+    code, payload = server.post("/v1/completions", body)
     assert code == 400, payload
     assert payload["error"]["message"]
 
 
 def test_chat_bad_parameters(server):
-    code, payload = _post(server, "/v1/chat/completions",
+    code, payload = server.post("/v1/chat/completions",
                           {"messages": CHAT[0], "top_logprobs": 2})
     assert code == 400 and payload["error"]["param"] == "top_logprobs"
-    code, payload = _post(server, "/v1/chat/completions",
+    code, payload = server.post("/v1/chat/completions",
                           {"messages": [{**CHAT[0][0], "tool_calls": []}]})
     assert code == 400 and "tool_calls" in payload["error"]["message"], payload
-    code, payload = _post(server, "/v1/chat/completions",
+    code, payload = server.post("/v1/chat/completions",
                           {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
     assert code == 400
 
 
 def test_body_too_large(server):
-    code, payload = _post(server, "/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    code, payload = server.post("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
     assert code == 413 and "bytes" in payload["error"]["message"]
 
 

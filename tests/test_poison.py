@@ -18,16 +18,6 @@ from tests.server import ServerProcess
 CRASH_TOKEN = 49000  # a token no greedy answer here produces
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
-
-
 def _health(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
@@ -86,7 +76,7 @@ def test_poison_request_fails_alone_after_two_crashes_and_health_follows(tmp_pat
             "XDG_RUNTIME_DIR": str(tmp_path), "SURGE_TEST_CRASH_TOKEN": str(CRASH_TOKEN),
             "NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "400000"}).wait_ready()
         try:
-            status, undisturbed = _post(server.url, {**normal, "stream": False})
+            status, undisturbed = server.post("/v1/completions", {**normal, "stream": False})
             assert status == 200
             poller = _HealthPoller(server.url)
             poller.start()
@@ -96,7 +86,7 @@ def test_poison_request_fails_alone_after_two_crashes_and_health_follows(tmp_pat
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as stream:
                 chunks = [stream.readline()]
-                status, refused = _post(server.url, poison)
+                status, refused = server.post("/v1/completions", poison)
                 chunks += stream.readlines()
             poller.done.set()
             poller.join()
