@@ -19,6 +19,15 @@ from tests.prompts import reference_prompts
 from tests.test_kernels import _paged
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+seeds = st.integers(0, 2**32 - 1)
+
+
+def _oracle(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            *rest: object) -> torch.Tensor:
+    """The reference kernel in float32 on the same (already rounded) inputs: the C++ kernels
+    accumulate in float32, so in bfloat16 they are held to the output's own rounding, not to
+    the reference's bfloat16 arithmetic (which drifts by more on an unlucky draw)."""
+    return kernel(q.float(), k_cache.float(), v_cache.float(), *rest).to(q.dtype)
 
 
 def test_the_extension_builds_where_a_compiler_exists():
@@ -34,8 +43,9 @@ extras = st.sampled_from([(0, 0.0), (7, 0.0), (0, 5.0), (20, 5.0)])
 
 
 @settings(max_examples=40, deadline=None)
-@given(shapes, extras)
-def test_decode_attention(shape, extra):
+@given(shapes, extras, seeds)
+def test_decode_attention(shape, extra, seed):
+    torch.manual_seed(seed)  # the same draw replays the same tensors (hypothesis shrinks on it)
     block_size, (h, kvh), d, dtype, lengths = shape
     window, softcap = extra
     k_cache, v_cache, tables, _, _ = _paged(lengths, block_size, kvh, d, num_blocks=512)
@@ -43,9 +53,8 @@ def test_decode_attention(shape, extra):
     # Unwritten slots hold 1e4 (see _paged): in bf16 they would swamp any leak, as intended.
     q = torch.randn(len(lengths), h, d).to(dtype)
     lens = torch.tensor(lengths)
-    want = attention.decode_attention(q, k_cache, v_cache,
-                                      attention.plan_decode(tables, lens, k_cache), 0.3,
-                                      window, softcap)
+    want = _oracle(attention.decode_attention, q, k_cache, v_cache,
+                   attention.plan_decode(tables, lens, k_cache.float()), 0.3, window, softcap)
     got = attention_cpu.decode_attention(q, k_cache, v_cache,
                                          attention_cpu.plan_decode(tables, lens, k_cache), 0.3,
                                          window, softcap)
@@ -54,8 +63,9 @@ def test_decode_attention(shape, extra):
 
 
 @settings(max_examples=30, deadline=None)
-@given(shapes, extras, st.data())
-def test_prefill_attention_with_cached_context(shape, extra, data):
+@given(shapes, extras, seeds, st.data())
+def test_prefill_attention_with_cached_context(shape, extra, seed, data):
+    torch.manual_seed(seed)
     block_size, (h, kvh), d, dtype, context = shape
     query = [data.draw(st.integers(1, n)) for n in context]
     k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=512)
@@ -65,7 +75,7 @@ def test_prefill_attention_with_cached_context(shape, extra, data):
             torch.tensor(context), max(query), 0.25, *extra)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(attention_cpu.prefill_attention(*args),
-                               attention.prefill_attention(*args), rtol=tol, atol=tol)
+                               _oracle(attention.prefill_attention, *args), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
