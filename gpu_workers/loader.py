@@ -8,6 +8,7 @@ import glob
 import os
 import re
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from gpu_workers.families import read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.parallel import TensorParallel
+from surge.gguf_header import GGUFHeaderError, read_header
 from surge.log import show_progress
 from surge.model_files import ModelFiles
 
@@ -53,13 +55,49 @@ def _q4_1_blocks(raw: np.ndarray, rows: int) -> Blocks:
     return torch.from_numpy(d), torch.from_numpy(m)
 
 
-def _gguf_tensors(path: str, cfg: LlamaConfig
-                  ) -> Tensors:
+class _GGUFTensor(NamedTuple):
+    """What the loader reads of gguf's ReaderTensor."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order (a row's length first)
+    data: np.ndarray  # a view of the mapped file: typed, or the raw blocks of a quantized type
+
+
+def _gguf_file_tensors(path: str) -> list[Any]:
+    """The file's tensors as views of the mapped file, as gguf's reader gives them, from our own
+    header reader (gguf's reads every vocabulary entry first: seconds)."""
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+
+    try:
+        header = read_header(path, skip=("",))  # no array is needed: skip them all
+    except GGUFHeaderError:
+        return gguf.GGUFReader(path).tensors
+    mapped = np.memmap(path, mode="r")
+    typed = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
+             gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+             gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+             gguf.GGMLQuantizationType.I64: np.int64}
+    tensors = []
+    for t in header.tensors:
+        kind = gguf.GGMLQuantizationType(t.type)
+        shape = tuple(reversed(t.dims))
+        count = int(np.prod(t.dims))
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = mapped[t.offset : t.offset + count * size // block]
+        data = raw.view(typed[kind]).reshape(shape) if kind in typed else \
+            raw.reshape(quant_shape_to_byte_shape(shape, kind))
+        tensors.append(_GGUFTensor(t.name, kind, t.dims, data))
+    return tensors
+
+
+def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
+    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized."""
     import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(path)
-    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False,
+    for t in tqdm(tensors, desc="loading weights", unit="tensor", leave=False,
                  disable=not show_progress()):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         short = m.group(2) if m else t.name
@@ -185,13 +223,12 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
     from the files; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
     cfg, norm_offset = read_family(files)
     if files.gguf_file:
-        import gguf
-
-        names = {t.name: t for t in gguf.GGUFReader(files.path).tensors}
+        found = _gguf_file_tensors(files.path)
+        names = {t.name: t for t in found}
         cfg.tie_word_embeddings = "output.weight" not in names
         if not cfg.vocab_size:
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
-        tensors = _gguf_tensors(files.path, cfg)
+        tensors = _gguf_tensors(found, cfg)
     else:
         tensors = _unfused(_safetensors(files.folder), cfg)
     with torch.device("meta"):

