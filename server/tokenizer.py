@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
 from typing import Any
 
 from surge.model_files import ModelFiles, generation_config
+
+log = logging.getLogger("surge.frontend")
 
 # generation_config.json's sampling defaults a request without its own takes, as vLLM does.
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
@@ -14,12 +20,43 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
+def cache_dir(files: ModelFiles) -> str:
+    """Where a GGUF file's tokenizer, once converted to a Hugging Face one (seconds of work),
+    is kept for the next start: systemd's CacheDirectory, else XDG_CACHE_HOME or ~/.cache;
+    keyed by the file and the libraries that convert it."""
+    import tokenizers
+    import transformers
+
+    st = os.stat(files.path)
+    key = hashlib.sha256(f"{os.path.realpath(files.path)}|{st.st_size}|{st.st_mtime_ns}|"
+                         f"{transformers.__version__}|{tokenizers.__version__}".encode())
+    root = (os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+            or os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"))
+    return os.path.join(root, "surge", "tokenizers", key.hexdigest()[:24])
+
+
+def _load(files: ModelFiles) -> Any:
+    from transformers import AutoTokenizer
+
+    if not files.gguf_file:
+        return AutoTokenizer.from_pretrained(files.folder)
+    cached = cache_dir(files)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    hf = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
+    partial = f"{cached}.partial-{os.getpid()}"
+    try:  # written whole, then renamed: a reader never sees half a folder
+        hf.save_pretrained(partial)
+        os.rename(partial, cached)
+    except OSError as e:  # read-only, or another process has just put it there
+        log.debug("tokenizer not cached at %s: %s", cached, e)
+        shutil.rmtree(partial, ignore_errors=True)
+    return hf
+
+
 class Tokenizer:
     def __init__(self, files: ModelFiles) -> None:
-        from transformers import AutoTokenizer
-
-        kwargs = {"gguf_file": files.gguf_file} if files.gguf_file else {}
-        self.hf: Any = AutoTokenizer.from_pretrained(files.folder, **kwargs)
+        self.hf: Any = _load(files)
         generation = generation_config(files)
         # Llama 3 and Qwen end a turn with one of several ids: each of them stops a request.
         self.eos_token_ids = sorted(set(_ids(self.hf.eos_token_id))
