@@ -25,21 +25,23 @@ class Quarantine:
         return bool(self.crash_points)
 
     def crashed(self, plans: list[StepPlan], seqs: dict[int, Sequence]) -> list[Sequence]:
-        """The steps in plans died with their worker: the suspects that were alone in one of
-        them (returned: the caller ends them); everyone else in them is a suspect now."""
-        poisoned = []
+        """The steps in plans died with their worker (one crash): the suspects of an earlier
+        crash that were alone in one of them (returned: the caller ends them); everyone else
+        in them is a suspect now. A sequence alone in two overlapped steps crashed once."""
+        earlier = set(self.crash_points)
+        poisoned: dict[int, Sequence] = {}
         for plan in plans:
             for item in plan.seqs:
                 seq = seqs.get(item.seq_id)
-                if seq is None:
-                    continue  # finished or aborted while the step ran
-                if len(plan.seqs) == 1 and seq.seq_id in self.crash_points:
-                    poisoned.append(seq)
+                if seq is None or seq.seq_id in poisoned:
+                    continue  # finished or aborted while the step ran, or judged already
+                if len(plan.seqs) == 1 and seq.seq_id in earlier:
+                    poisoned[seq.seq_id] = seq
                     del self.crash_points[seq.seq_id]
                 else:
                     self.crash_points[seq.seq_id] = max(self.crash_points.get(seq.seq_id, 0),
                                                         seq.num_computed_tokens)
-        return poisoned
+        return list(poisoned.values())
 
     def next(self, seqs: dict[int, Sequence]) -> Sequence | None:
         """The suspect to run alone next: the newest, most likely the culprit (the older ones

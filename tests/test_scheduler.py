@@ -379,6 +379,21 @@ def test_a_request_in_two_crashed_steps_ends_alone_and_the_others_finish():
     assert sched.blocks.num_free == 32
 
 
+def test_a_request_alone_in_two_overlapped_steps_that_crash_has_crashed_once():
+    """With async scheduling two steps of a lone request are in flight when the worker dies:
+    one crash, so it becomes a suspect and is recomputed, not ended; a second crash of a
+    step of its own ends it."""
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), num_blocks=32)
+    assert sched.add(_request("lone", [9] * 6, 8)) is None
+    prefill = sched.schedule()
+    decode = sched.schedule()  # planned while the prefill is still in flight
+    assert [s.seq_id for s in prefill.seqs] == [s.seq_id for s in decode.seqs]
+    assert sched.crashed([prefill, decode]) == []
+    sched.restart()
+    (out,) = sched.crashed([sched.schedule()])
+    assert (out.request_id, out.status) == ("lone", 400)
+
+
 def test_a_step_is_never_planned_past_the_staging_buffer():
     """Requests with big logit_bias tables share steps only as far as the buffer holds them;
     one that would not fit even alone ends with a 400 naming the staging words."""
