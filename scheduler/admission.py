@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import msgspec
+
+from scheduler.block_manager import BlockManager
+from scheduler.overload import Ladder, Step
 from scheduler.queue import WaitingQueue
 from scheduler.tenants import RateMeter, Tenant
-from surge.config import SchedulerConfig, TenantConfig
+from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
 from surge.protocol import EngineRequest, RequestOutput
 
 # Retry-After when there is no measured rate to estimate it from yet.
@@ -17,12 +21,14 @@ _DEFAULT_RETRY_S = 1.0
 
 
 class Admission:
-    def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig]) -> None:
+    def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
+                 overload: OverloadConfig, now: float) -> None:
         self.cfg = cfg
         self.tenant_cfgs = tenants
         self.tenants: dict[str, Tenant] = {}
         self.drained = RateMeter()  # requests leaving the queue for the batch
         self.rejected: Counter[tuple[str, str]] = Counter()  # (tenant, limit) -> count
+        self.ladder = Ladder(overload, tenants, now)
 
     def limits(self, name: str) -> TenantConfig:
         """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
@@ -34,12 +40,39 @@ class Admission:
             tenant = self.tenants[name] = Tenant(name, self.limits(name), now)
         return tenant
 
+    def table(self, name: str) -> str:
+        """The [tenants.NAME] table a tenant's limits come from."""
+        return name if name in self.tenant_cfgs else "default"
+
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
-                  now: float) -> None:
+                  overload: OverloadConfig, now: float) -> None:
         """New live values, from the next arrival and step on."""
         self.cfg, self.tenant_cfgs = cfg, tenants
         for name, tenant in self.tenants.items():
             tenant.configure(self.limits(name), now)
+        self.ladder.configure(overload, tenants)
+
+    def judge(self, queue: WaitingQueue, blocks: BlockManager, now: float) -> None:
+        """Let the ladder weigh the queue and the KV cache (see Ladder.judge). Without a
+        measured drain rate, the oldest request's wait is what the queue is known to take."""
+        drain = self.drained.rate(now)
+        drain_s = len(queue) / drain if drain else \
+            max((now - s.arrival_time for s in queue), default=0.0)
+        self.ladder.judge(now, drain_s, 1 - blocks.num_free / blocks.num_blocks)
+
+    def degrade(self, reqs: list[EngineRequest], tenant: Tenant) -> tuple[list[EngineRequest],
+                                                                          str | None]:
+        """reqs with the ladder's cap on max_tokens when it is in force for the tenant, and
+        what the client is told about it (None: not capped)."""
+        if "cap" not in self.ladder.actions(self.table(tenant.name)):
+            return reqs, None
+        cap = tenant.cfg.degrade_max_tokens
+        if all(r.sampling.max_tokens <= cap for r in reqs):
+            return reqs, None
+        self.ladder.degraded[Step(self.table(tenant.name), "cap")] += 1
+        capped = [msgspec.structs.replace(r, sampling=msgspec.structs.replace(
+            r.sampling, max_tokens=min(cap, r.sampling.max_tokens))) for r in reqs]
+        return capped, f"max_tokens={cap}"
 
     def check(self, reqs: list[EngineRequest], tenant: Tenant, queue: WaitingQueue,
               now: float, priority: int, timeout: float) -> RequestOutput | None:
@@ -72,6 +105,11 @@ class Admission:
             if bound and count > bound:
                 return refuse(limit, f"the request's {count} choices are more than {limit} "
                               f"({bound:g}) allows at once", None, 400)
+        if "refuse" in self.ladder.actions(self.table(tenant.name)):
+            self.ladder.degraded[Step(self.table(tenant.name), "refuse")] += 1
+            return refuse("overload", f"the server is overloaded and sheds tenant "
+                          f"{tenant.name!r}'s new work first ({self.ladder.reason})",
+                          self.ladder.cfg.ladder_interval_s)
         if limits.max_concurrent and tenant.num_waiting + tenant.num_running + count > \
                 limits.max_concurrent:
             rate = tenant.finished.rate(now)

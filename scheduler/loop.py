@@ -21,11 +21,14 @@ from surge.protocol import (
     AbortRequest,
     AdminReply,
     AdminRequest,
+    BreakerState,
+    EngineFault,
     EngineHealth,
     EngineOutputs,
     EngineReady,
     EngineRequests,
     FrontendMessage,
+    OverloadSettings,
     RequestOutput,
     StepPlan,
     StepResult,
@@ -140,6 +143,7 @@ class SchedulerLoop:
         replacement workers (a whole tensor-parallel group), then recompute every other
         request from its tokens: their clients see a pause, not an error."""
         assert self.scheduler is not None
+        self.outputs.send(encode(EngineFault(str(reason))))  # the circuit breaker counts it
         if poisoned := self.scheduler.crashed(crashed):
             self.outputs.send(encode(EngineOutputs(poisoned)))
         log.warning("%s; waiting for new workers, then recomputing %d requests", reason,
@@ -169,7 +173,8 @@ class SchedulerLoop:
         num_blocks = min(r.num_blocks for r in readies)
         self.kernels = readies[0].kernels
         self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
-                                   speculative=self.cfg.speculative)
+                                   speculative=self.cfg.speculative,
+                                   overload=self.cfg.overload)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
                             description=readies[0].description)
         self.outputs.send(encode(ready))
@@ -196,10 +201,11 @@ class SchedulerLoop:
                 log.error("skipped a malformed message from the frontend: %s", e)
                 continue
             if isinstance(msg, EngineRequests):
-                replies.extend(self.scheduler.add_all(msg.requests)
-                               or [RequestOutput(r.request_id, []) for r in msg.requests])
+                replies.extend(self.scheduler.add_all(msg.requests))
             elif isinstance(msg, AbortRequest):
                 replies.extend(self.scheduler.abort(msg.request_ids))
+            elif isinstance(msg, BreakerState):
+                self.stats.breaker = msg
         if replies:
             self.outputs.send(encode(EngineOutputs(replies)))
 
@@ -274,8 +280,10 @@ class SchedulerLoop:
                                   {"kernel_backend": self.kernels})
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
+            if new.overload != self.cfg.overload:
+                self.outputs.send(encode(OverloadSettings(new.overload)))
             self.cfg = new
-            self.scheduler.configure(new.scheduler, new.tenants, new.speculative)
+            self.scheduler.configure(new.scheduler, new.tenants, new.speculative, new.overload)
         self.admin.send(encode(reply))
 
     def _gather_batch(self) -> None:

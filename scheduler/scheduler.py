@@ -26,7 +26,7 @@ from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculation
 from scheduler.tenants import Tenant
 from shm.staging import STAGING_WORDS
-from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
+from surge.config import OverloadConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,
     EngineRequest,
@@ -48,12 +48,13 @@ class Scheduler:
                  tenants: dict[str, TenantConfig] | None = None,
                  clock: Callable[[], float] = time.time,
                  speculative: SpeculativeConfig | None = None,
-                 staging_words: int = STAGING_WORDS) -> None:
+                 staging_words: int = STAGING_WORDS,
+                 overload: OverloadConfig | None = None) -> None:
         self.cfg = cfg
         self.staging_words = staging_words  # the most a step's inputs may take on the worker
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
-        self.admission = Admission(cfg, tenants or {})
+        self.admission = Admission(cfg, tenants or {}, overload or OverloadConfig(), clock())
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -76,24 +77,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
-                  speculative: SpeculativeConfig | None = None) -> None:
+                  speculative: SpeculativeConfig | None = None,
+                  overload: OverloadConfig | None = None) -> None:
         """Live parameters, applied between two steps."""
         self.cfg = cfg
         self.spec.cfg = speculative or self.spec.cfg
         self.blocks.prefix_cache = cfg.prefix_cache
-        self.admission.configure(cfg, tenants, self.clock())
+        self.admission.configure(cfg, tenants, overload or self.admission.ladder.cfg,
+                                 self.clock())
 
     def add(self, req: EngineRequest) -> RequestOutput | None:
         """Queue a request; an error output instead if it is refused (it could never fit the
         KV cache, or a limit says no)."""
-        refusals = self.add_all([req])
-        return refusals[0] if refusals else None
+        reply = self.add_all([req])[0]
+        return reply if reply.finish_reason else None
 
     def add_all(self, reqs: list[EngineRequest]) -> list[RequestOutput]:
         """Queue the engine requests of one API request (its prompts and choices) as a unit:
-        all of them, or none, each then refused as the first refused one is. The refusals;
-        none when all are queued."""
+        all of them, or none, each then refused as the first refused one is. One reply per
+        request: its refusal, or its acknowledgement (which tells of a degradation)."""
         refusal = next(filter(None, map(self._invalid, reqs)), None)
+        if refusal is None:
+            self.admission.ladder.requested += sum(r.sampling.max_tokens for r in reqs)
         now = self.clock()
         first = reqs[0]
         tenant = self.admission.tenant(first.tenant, now)
@@ -104,13 +109,17 @@ class Scheduler:
                                                   timeout)
         if refusal is not None:
             return [msgspec.structs.replace(refusal, request_id=r.request_id) for r in reqs]
+        reqs, degraded = self.admission.degrade(reqs, tenant)
+        if degraded:
+            log.info("degraded under overload: %s", degraded,
+                     extra={"request_id": first.request_id, "tenant": tenant.name})
         self._classes_seen[priority] = now
         if len(self._classes_seen) > 64:  # clients choose priorities: keep only recent ones
             self._classes_seen = {p: t for p, t in self._classes_seen.items()
                                   if now - t < _MIXED_WINDOW_S}
         for req in reqs:
             self._queue(req, tenant, priority, timeout)
-        return []
+        return [RequestOutput(r.request_id, [], degraded=degraded) for r in reqs]
 
     def _invalid(self, req: EngineRequest) -> RequestOutput | None:
         """A 400 for a request that can never run here."""
@@ -242,11 +251,17 @@ class Scheduler:
     def speculating(self) -> bool:
         """Whether the next step may carry proposals; then it must not be planned before the
         previous one's tokens are known (see Speculation)."""
-        return self.spec.active(self.running, self._next_step_id)
+        return not self.admission.ladder.conservative and \
+            self.spec.active(self.running, self._next_step_id)
 
     def interactive(self) -> bool:
-        """Whether steps are kept short for urgent arrivals (see interactive_step_ms)."""
-        if not self.cfg.interactive_step_ms or self.cfg.policy != "priority":
+        """Whether steps are kept short for urgent arrivals (see interactive_step_ms): with
+        more than one priority class about, or while the engine is congested."""
+        if not self.cfg.interactive_step_ms:
+            return False
+        if self.admission.ladder.conservative:
+            return True
+        if self.cfg.policy != "priority":
             return False
         now = self.clock()
         return sum(now - seen < _MIXED_WINDOW_S for seen in self._classes_seen.values()) > 1
@@ -288,6 +303,7 @@ class Scheduler:
         """Pack the next step within the token budget and the staging buffer: decodes first,
         then the chunks of prompts being prefilled, then waiting requests (long prompts split
         across steps). While there are suspects of a crash, one of them runs alone."""
+        self.admission.judge(self.waiting, self.blocks, self.clock())
         budget, seats = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
         if self.interactive():
             tokens = self.cost.tokens_within(self.cfg.interactive_step_ms / 1000)
@@ -491,6 +507,9 @@ class Scheduler:
                     tokens = tokens[:n]
                     break
             seq.tenant.tokens.take(len(tokens), now)
+            self.admission.ladder.generated += len(tokens)
+            if seq.num_output_tokens == len(tokens):  # its first: the ladder watches TTFT
+                self.admission.ladder.ttfts.append(now - seq.arrival_time)
             if reason:
                 self._finish(seq)
             else:

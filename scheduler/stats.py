@@ -11,7 +11,7 @@ from prometheus_client import Counter
 from scheduler.scheduler import Scheduler
 from surge import metrics
 from surge.config import LIVE_SECTION, SurgeConfig
-from surge.protocol import EngineStats, RequestOutput, StepPlan, StepResult
+from surge.protocol import BreakerState, EngineStats, RequestOutput, StepPlan, StepResult
 
 # The snapshot's running totals that Prometheus counters follow (per model, engine-wide).
 _MODEL_COUNTERS = (("generated_tokens", metrics.generated_tokens),
@@ -23,7 +23,7 @@ _COUNTERS = (("spec_proposed_tokens", metrics.spec_proposed),
              ("spec_verifications", metrics.spec_verifications))
 # Every limit admission can refuse for, so each tenant's rejection series starts at 0.
 _LIMITS = ("max_concurrent", "max_queued", "max_queued_requests", "max_queued_tokens",
-           "requests_per_min", "tokens_per_min", "timeout")
+           "requests_per_min", "tokens_per_min", "timeout", "overload")
 
 
 class StatsCollector:
@@ -46,6 +46,7 @@ class StatsCollector:
         self.worker_forward_s = 0.0
         self._exported: dict[str, int] = {}  # counter totals already exported, by series
         self._queues_seen: set[tuple[str, str]] = set()  # (priority, tenant) labels exported
+        self.breaker = BreakerState("closed", 0)  # as the frontend last reported it
 
     def record_step(self, plan: StepPlan, result: StepResult, outputs: list[RequestOutput],
                     continuous: bool) -> None:
@@ -63,7 +64,7 @@ class StatsCollector:
         metrics.step_tokens.observe(tokens)
 
     def snapshot(self, sched: Scheduler) -> EngineStats:
-        blocks, spec = sched.blocks, sched.spec
+        blocks, spec, ladder = sched.blocks, sched.spec, sched.admission.ladder
         return EngineStats(
             time=time.time(), running=len(sched.running), waiting=len(sched.waiting),
             queued_tokens=sched.waiting.num_tokens,
@@ -76,7 +77,10 @@ class StatsCollector:
             worker_forward_s=self.worker_forward_s,
             spec_proposed_tokens=spec.proposed_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
-            spec_verifications=spec.verifications)
+            spec_verifications=spec.verifications,
+            congested=ladder.congested, overload_level=ladder.level,
+            degraded_requests=sum(ladder.degraded.values()),
+            breaker=self.breaker.state, breaker_rejected=self.breaker.rejected)
 
     def export(self, stats: EngineStats, sched: Scheduler, cfg: SurgeConfig) -> None:
         """Set the Prometheus metrics: the engine-wide ones from the snapshot, the labelled
@@ -102,6 +106,9 @@ class StatsCollector:
         self._export_queues(sched)
         self._export_tenants(sched)
         _export_limits(sched, cfg)
+        _export_ladder(sched)
+        for step, count in sched.admission.ladder.degraded.items():
+            self._advance(metrics.degraded.labels(*step), f"degraded {step}", count)
 
     def _advance(self, counter: Counter, series: str, total: int) -> None:
         """Counters only go up: add what a running total gained since the last export."""
@@ -151,4 +158,15 @@ def _export_limits(sched: Scheduler, cfg: SurgeConfig) -> None:
     admission = sched.admission
     for name in {*admission.tenants, *cfg.tenants}:
         for field, value in msgspec.to_builtins(admission.limits(name)).items():
-            metrics.tenant_limit.labels(name, field).set(float(value))
+            if not isinstance(value, str):  # degrade is a word (the ladder's series show it)
+                metrics.tenant_limit.labels(name, field).set(float(value))
+
+
+def _export_ladder(sched: Scheduler) -> None:
+    ladder = sched.admission.ladder
+    metrics.overload_level.set(ladder.level)
+    metrics.congested.set(float(ladder.congested))
+    for name, value in ladder.signals.items():
+        metrics.overload_signal.labels(name).set(value)
+    for step in ladder.steps:  # at 0 from the start
+        metrics.degraded.labels(step.tenant, step.action)

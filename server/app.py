@@ -75,26 +75,40 @@ class Frontend:
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, logprobs: int | None, tenant: str
-                  ) -> AsyncIterator[Piece]:
+                  ) -> tuple[AsyncIterator[Piece], str | None]:
         """Submit the body's engine requests (one per choice) and wait until the scheduler has
-        taken them all (or raise its refusal); their pieces merged."""
-        grammar = await self.translator.grammar(body)
-        requests = self.translator.engine_requests(body, rid, prompts, max_tokens, logprobs,
-                                                   tenant, grammar)
-        taken = await submit(self.engine, requests)
+        taken them all (or raise its refusal, or the circuit breaker's); their pieces merged,
+        and how the degradation ladder changed them (None: not at all)."""
+        breaker = self.engine.breaker
+        probe = breaker.admit()
+        try:
+            grammar = await self.translator.grammar(body)
+            requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
+                                                       logprobs, tenant, grammar)
+            taken, degraded = await submit(self.engine, requests)
+        except BaseException:
+            if probe:
+                breaker.finished(None)  # refused or cancelled: says nothing of the engine
+            raise
+        if degraded:
+            metrics.degraded_responses.labels(self.translator.model_name).inc()
         stop = stop_strings(body)
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
         return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
-                       self.translator.model_name, len(streams))
+                       self.translator.model_name, len(streams),
+                       breaker.finished if probe else None), degraded
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
                        logprobs: int | None) -> web.StreamResponse:
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces = await self.run(body, rid, prompts, max_tokens, logprobs, request["tenant"])
+        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs,
+                                          request["tenant"])
+        # A degraded request is never silently so (see scheduler/overload.py).
+        headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {})}
         n = len(prompts) * body.n
         echo = [""] * n
         if not chat and body.echo:
@@ -134,7 +148,7 @@ class Frontend:
                                              "logprobs": None, "finish_reason": None}]}
                        for i in range(n)] if chat else []
             return await self._sse(request, rid, pieces, head, choice, opening, first,
-                                   prompt_tokens, body)
+                                   prompt_tokens, body, headers)
         texts: list[list[str]] = [[e] for e in echo]
         reasons: list[str | None] = [None] * n
         counts = [0] * n
@@ -158,7 +172,8 @@ class Frontend:
             choices.append({"index": i, **out, "logprobs": merge_logprobs(lps[i]),
                             "finish_reason": reasons[i]})
         return self._json({**head, "object": "chat.completion" if chat else "text_completion",
-                           "choices": choices, "usage": usage(prompt_tokens, sum(counts))})
+                           "choices": choices, "usage": usage(prompt_tokens, sum(counts))},
+                          headers)
 
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{
@@ -195,19 +210,18 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
-        if self.engine.problem:
-            return web.json_response({"status": "unhealthy", "reason": self.engine.problem},
-                                     status=503)
+        if problem := self.engine.problem or self.engine.breaker.problem:
+            return web.json_response({"status": "unhealthy", "reason": problem}, status=503)
         return web.json_response({"status": "ok"})
 
     # ---- response helpers ----
 
     async def _sse(self, request: web.Request, rid: str, pieces: AsyncIterator[Piece],
                    head: dict, choice: Callable[[Piece], dict], opening: list[dict],
-                   first: list[Piece], prompt_tokens: int, body: Body) -> web.StreamResponse:
+                   first: list[Piece], prompt_tokens: int, body: Body,
+                   headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache",
-                                               "X-Request-Id": rid})
+                                               "Cache-Control": "no-cache", **headers})
         generated = 0
         try:
             await response.prepare(request)
@@ -234,20 +248,24 @@ class Frontend:
         return response
 
     @staticmethod
-    def _json(payload: dict) -> web.Response:
-        return web.Response(body=_json.encode(payload), content_type="application/json")
+    def _json(payload: dict, headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(body=_json.encode(payload), content_type="application/json",
+                            headers=headers)
 
 
 async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
-                  model: str, choices: int) -> AsyncIterator[Piece]:
+                  model: str, choices: int,
+                  ended: Callable[[bool | None], None] | None = None) -> AsyncIterator[Piece]:
     """One log line per finished request: id, outcome, token counts, timings (no text); its
-    metrics, a cancelled or failed request's too."""
+    metrics, a cancelled or failed request's too. ended: told whether it finished (True),
+    the engine failed it (False), or neither (None), as Breaker.finished takes it."""
     started = time.monotonic()
     first: float | None = None
     last = started
     generated = 0
     reasons: list[str] = []
     outcome = "cancelled"
+    engine_failed = False
     try:
         async with aclosing(pieces) as stream:
             async for piece in stream:
@@ -266,8 +284,11 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
         metrics.e2e.labels(model).observe(time.monotonic() - started)
     except ApiError as e:
         outcome = f"error {e.status}"
+        engine_failed = e.status >= 500
         raise
     finally:
+        if ended is not None:
+            ended(True if outcome == "ok" else False if engine_failed else None)
         metrics.prompt_tokens.labels(model).inc(prompt_tokens)
         for reason in reasons:
             metrics.request_success.labels(model, reason).inc()

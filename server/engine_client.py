@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from server.breaker import Breaker
+from surge.config import OverloadConfig
 from surge.protocol import (
     AbortRequest,
+    BreakerState,
+    EngineFault,
     EngineHealth,
     EngineOutputs,
     EngineReady,
     EngineRequest,
     EngineRequests,
     EngineStats,
+    OverloadSettings,
     RequestOutput,
     SchedulerMessage,
     encode,
@@ -27,7 +33,7 @@ log = logging.getLogger("surge.frontend")
 
 
 class EngineClient:
-    def __init__(self, channels: Channels) -> None:
+    def __init__(self, channels: Channels, overload: OverloadConfig) -> None:
         self.ctx = zmq.asyncio.Context()
         self.requests = self.ctx.socket(zmq.PUSH)
         self.requests.connect(channels.requests)
@@ -37,6 +43,9 @@ class EngineClient:
         self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
         self.stats: EngineStats | None = None
         self.problem: str | None = None  # why the engine is unhealthy (see EngineHealth)
+        self.breaker = Breaker(overload, on_change=self._report_breaker)
+        self._breaker_sent = ("closed", 0.0)  # the state the scheduler was last told, and when
+        self._breaker_flush = False  # a later report is scheduled
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -51,6 +60,12 @@ class EngineClient:
                 continue
             if isinstance(msg, EngineHealth):
                 self.problem = msg.problem
+                continue
+            if isinstance(msg, EngineFault):
+                self.breaker.failure(msg.reason)
+                continue
+            if isinstance(msg, OverloadSettings):
+                self.breaker.configure(msg.cfg)
                 continue
             assert isinstance(msg, EngineOutputs)
             for out in msg.outputs:
@@ -76,6 +91,23 @@ class EngineClient:
             self.streams[request.request_id] = streams[-1]
         self._send(data)
         return streams
+
+    def _report_breaker(self) -> None:
+        """Tell the scheduler (for `surge admin stats`) of each move, and of rejections at
+        most once a second: while open, every request would otherwise send a message."""
+        state, now = self.breaker.state, time.monotonic()
+        wait = 1.0 - (now - self._breaker_sent[1])
+        if state == self._breaker_sent[0] and wait > 0:
+            if not self._breaker_flush:  # the count since is sent when the second is up
+                self._breaker_flush = True
+                asyncio.get_running_loop().call_later(wait, self._flush_breaker)
+            return
+        self._breaker_sent = (state, now)
+        self._send(encode(BreakerState(state, self.breaker.rejected)))
+
+    def _flush_breaker(self) -> None:
+        self._breaker_flush = False
+        self._report_breaker()
 
     def abort(self, *request_ids: str) -> None:
         """Abort those of request_ids still running, in one message."""

@@ -33,9 +33,10 @@ def refusal(out: RequestOutput) -> ApiError:
 
 
 async def submit(engine: EngineClient, requests: list[EngineRequest]
-                 ) -> list[asyncio.Queue[RequestOutput]]:
+                 ) -> tuple[list[asyncio.Queue[RequestOutput]], str | None]:
     """Send one API request's engine requests and wait until the scheduler takes them (all or
-    none); a refusal raises its ApiError before anything has been sent to the client."""
+    none); a refusal raises its ApiError before anything has been sent to the client. The
+    streams, and how the degradation ladder changed the request (None: not at all)."""
     streams = engine.submit(requests)
     ids = [r.request_id for r in requests]
     try:
@@ -46,7 +47,7 @@ async def submit(engine: EngineClient, requests: list[EngineRequest]
     if refused := [out for out in firsts if out.finish_reason is not None]:
         engine.abort(*ids)  # none should be running: they are admitted as a unit
         raise refusal(refused[0])
-    return streams
+    return streams, firsts[0].degraded
 
 
 async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],

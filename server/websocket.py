@@ -57,7 +57,7 @@ class Service(Protocol):
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, logprobs: int | None, tenant: str
-                  ) -> AsyncIterator[Piece]: ...
+                  ) -> tuple[AsyncIterator[Piece], str | None]: ...
 
 
 class _Message(msgspec.Struct, kw_only=True):
@@ -101,8 +101,8 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                 raise ApiError(400, "tools are not available on the WebSocket; use the HTTP "
                                     "endpoint", param="tools")
             prompts, max_tokens, logprobs = await frontend.translator.prepare(body)
-            pieces = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts, max_tokens,
-                                        logprobs, request["tenant"])
+            pieces, degraded = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts,
+                                                  max_tokens, logprobs, request["tenant"])
             reasons: dict[int, str | None] = {}
             generated = 0
             async with aclosing(pieces) as stream:
@@ -117,6 +117,8 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                     "usage": usage(sum(len(p) for p in prompts), generated)}
             if len(reasons) > 1:
                 done["finish_reasons"] = [reasons[i] for i in sorted(reasons)]
+            if degraded:
+                done["degraded"] = degraded  # as the HTTP answer's X-Surge-Degraded
             await send(done)
         except ApiError as e:
             await error(rid, e.status, e.message, e.param, e.retry_after)

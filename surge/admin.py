@@ -151,6 +151,9 @@ def _summary(runtime_dir: str) -> str:
         f"inter-token  {pcts('surge_inter_token_latency_seconds')}",
         f"request      {pcts('surge_request_latency_seconds')}",
         f"queue wait   {pcts('surge_queue_wait_seconds')}",
+        f"overload     breaker {b['breaker']} ({b['breaker_rejected']} refused)   degradation "
+        f"level {b['overload_level']}{' (congested)' if b['congested'] else ''}   "
+        f"{b['degraded_requests']} requests degraded",
     ])
 
 

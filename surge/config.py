@@ -269,6 +269,55 @@ class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[
         float, Meta(ge=0, description="deadline to start for requests that give no timeout")
     ] = 0
+    # The degradation ladder (OverloadConfig) takes these steps for the tenant, least
+    # important tenant first: cap new requests' max_tokens, then refuse new work with 429.
+    degrade: Annotated[
+        Literal["never", "cap", "refuse", "cap-then-refuse"],
+        Meta(description="how this tenant's new requests may degrade under overload"),
+    ] = "never"
+    degrade_max_tokens: Annotated[
+        int, Meta(ge=1, description="max_tokens of new requests while capped")
+    ] = 64
+
+
+class OverloadConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The circuit breaker (frontend) and the degradation ladder (scheduler); all live."""
+
+    breaker_failures: Annotated[
+        int, Meta(ge=0, description="engine failures (worker deaths) within breaker_window_s "
+                  "that open the circuit breaker: new requests then get 503 at once; 0: off")
+    ] = 3
+    breaker_window_s: Annotated[
+        float, Meta(gt=0, description="the sliding window the breaker counts failures over")
+    ] = 60.0
+    breaker_cooldown_s: Annotated[
+        float, Meta(gt=0, description="how long an open breaker refuses everything before it "
+                    "lets probe requests through (half-open)")
+    ] = 30.0
+    breaker_probes: Annotated[
+        int, Meta(ge=1, description="requests let through at once while half-open; that many "
+                  "finishing closes the breaker, one engine failure opens it again")
+    ] = 2
+    ttft_slo_s: Annotated[
+        float, Meta(ge=0, description="congested when the time-to-first-token p95 of the last "
+                    "ladder interval is above this; 0: not a signal")
+    ] = 0.0
+    max_queue_drain_s: Annotated[
+        float, Meta(ge=0, description="congested when the waiting queue would take longer than "
+                    "this to drain at the measured rate; 0: not a signal")
+    ] = 0.0
+    max_kv_use: Annotated[
+        float, Meta(ge=0, le=1, description="congested when this fraction of the KV cache is in "
+                    "use; 0: not a signal")
+    ] = 0.0
+    ladder_interval_s: Annotated[
+        float, Meta(gt=0, description="how often the signals are judged: the ladder moves at "
+                    "most one step per interval")
+    ] = 2.0
+    ladder_recover: Annotated[
+        float, Meta(gt=0, lt=1, description="a step is undone only when every signal is below "
+                    "this fraction of its threshold (hysteresis)")
+    ] = 0.7
 
 
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -284,6 +333,7 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}
@@ -306,6 +356,7 @@ LIVE: dict[str, tuple[str, ...]] = {
                   "max_queued_tokens"),
     "speculative": ("speculative_method", "num_speculative_tokens", "ngram_max", "ngram_min",
                     "speculative_max_batch", "speculative_min_acceptance"),
+    "overload": tuple(OverloadConfig.__struct_fields__),
 }
 LIVE_SECTION = {name: section for section, names in LIVE.items() for name in names}
 

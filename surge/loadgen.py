@@ -72,7 +72,8 @@ def _text(choice: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-def _session(headers: dict | None) -> aiohttp.ClientSession:
+def client_session(headers: dict | None) -> aiohttp.ClientSession:
+    """For many concurrent streams: no connection limit, an hour before a timeout."""
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=headers,
                                  connector=aiohttp.TCPConnector(limit=0))
 
@@ -96,7 +97,7 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int,
             results.append(await send(session, url, queue.get_nowait(), path))
             done()
 
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
     return results, time.perf_counter() - started
 
@@ -112,7 +113,7 @@ async def open_loop(url: str, arrivals: list[tuple[float, dict]], headers: dict 
         results.append(await send(session, url, body, path))
         done()
 
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         tasks = []
         for at, body in arrivals:
             if deadline_s is not None and at > deadline_s:

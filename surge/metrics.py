@@ -40,6 +40,14 @@ prompt_tokens = Counter("surge_prompt_tokens", "prompt tokens of accepted reques
 request_success = Counter("surge_request_success", "requests (each choice) ended, by "
                           "finished_reason: stop, length, abort (the client left or "
                           "cancelled), error", ["model_name", "finished_reason"])
+breaker_state = Gauge("surge_breaker_state", "the circuit breaker: 0 closed, 1 half-open, "
+                      "2 open", multiprocess_mode="livemax")
+breaker_transitions = Counter("surge_breaker_transitions", "circuit breaker moves, by the "
+                              "state entered", ["state"])
+breaker_rejected = Counter("surge_breaker_rejected_requests", "requests the open (or "
+                           "half-open) breaker answered with 503 at once")
+degraded_responses = Counter("surge_degraded_responses", "responses whose request the "
+                             "degradation ladder capped (told in X-Surge-Degraded)", MODEL)
 open_connections = Gauge("surge_open_connections", "client connections open",
                          multiprocess_mode="livemax")
 refused_connections = Counter("surge_refused_connections", "client connections refused over "
@@ -88,6 +96,15 @@ spec_acceptance = Gauge("surge_spec_acceptance_rate", "accepted / proposed token
 spec_accepted_length = Gauge("surge_spec_mean_accepted_length", "tokens gained per "
                              "verification: accepted ones plus the model's own",
                              multiprocess_mode="livemax")
+overload_level = Gauge("surge_overload_level", "degradation steps in force (0: none)",
+                       multiprocess_mode="livemax")
+congested = Gauge("surge_congested", "1 while a congestion signal is over its threshold",
+                  multiprocess_mode="livemax")
+degraded = Counter("surge_degraded_requests", "new requests the degradation ladder capped or "
+                   "refused, by tenant table and step", ["tenant", "action"])
+overload_signal = Gauge("surge_overload_signal", "the congestion signals at the last "
+                        "judgement (ttft_p95_s, queue_drain_s, kv_use)", ["signal"],
+                        multiprocess_mode="livemax")
 policy = Gauge("surge_scheduling_policy", "1 for the policy in force", ["policy"],
                multiprocess_mode="livemax")
 

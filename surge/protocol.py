@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
+from surge.config import OverloadConfig
+
 # ---- frontend -> scheduler (ZeroMQ) ----
 
 
@@ -58,6 +60,13 @@ class AbortRequest(Struct, tag=True):
     request_ids: list[str]
 
 
+class BreakerState(Struct, tag=True):
+    """The frontend's circuit breaker, for `surge admin stats`: sent when it changes."""
+
+    state: str  # "closed" | "open" | "half-open"
+    rejected: int  # requests it has turned away, in all
+
+
 # ---- scheduler -> frontend (ZeroMQ) ----
 
 
@@ -81,6 +90,9 @@ class RequestOutput(Struct, array_like=True):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     status: int = 503  # with "error": the HTTP status it means (400: the request's own fault)
     retry_after: float | None = None  # with a 429 or 503: seconds until a retry may succeed
+    # On an acknowledgement: how the degradation ladder changed the request (e.g.
+    # "max_tokens=64"), which the client is told in a header.
+    degraded: str | None = None
 
 
 class EngineOutputs(Struct, tag=True):
@@ -108,6 +120,11 @@ class EngineStats(Struct, tag=True, kw_only=True):
     spec_accepted_tokens: int = 0  # of which the model agreed with
     spec_verifications: int = 0  # sequence-steps that verified proposals
     queued_tokens: int = 0  # prompt tokens of the waiting requests
+    congested: bool = False  # see scheduler/overload.py
+    overload_level: int = 0  # degradation steps in force
+    degraded_requests: int = 0  # capped or refused by the ladder, in all
+    breaker: str = "closed"  # the frontend's circuit breaker (BreakerState)
+    breaker_rejected: int = 0
 
 
 class EngineHealth(Struct, tag=True):
@@ -115,6 +132,18 @@ class EngineHealth(Struct, tag=True):
     step) and when it serves again (problem None)."""
 
     problem: str | None
+
+
+class EngineFault(Struct, tag=True):
+    """A worker died (or a step failed): the frontend's circuit breaker counts these."""
+
+    reason: str
+
+
+class OverloadSettings(Struct, tag=True):
+    """The [overload] section, sent to the frontend when `surge admin set` changes it."""
+
+    cfg: OverloadConfig
 
 
 class EngineReady(Struct, tag=True, kw_only=True):
@@ -221,8 +250,9 @@ class AdminReply(Struct, tag=True):
     values: dict[str, object] = {}
 
 
-FrontendMessage = EngineRequests | AbortRequest
-SchedulerMessage = EngineOutputs | EngineReady | EngineStats | EngineHealth
+FrontendMessage = EngineRequests | AbortRequest | BreakerState
+SchedulerMessage = (EngineOutputs | EngineReady | EngineStats | EngineHealth | EngineFault
+                    | OverloadSettings)
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 PlanMessage = StepPlan | Shutdown
 

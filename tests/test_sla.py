@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.scheduler import Scheduler
-from surge.config import SchedulerConfig, TenantConfig
+from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
 from surge.protocol import EngineRequest, RequestOutput, SamplingParams, SeqResult, StepResult
 
 
@@ -19,10 +19,11 @@ class Sim:
     """Steps the scheduler one plan at a time; each step advances the clock by its cost."""
 
     def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig] | None = None,
-                 num_blocks: int = 100_000, step_s: float = 0.02, per_token_s: float = 1e-4
-                 ) -> None:
+                 num_blocks: int = 100_000, step_s: float = 0.02, per_token_s: float = 1e-4,
+                 overload: OverloadConfig | None = None) -> None:
         self.now = 0.0
-        self.sched = Scheduler(cfg, num_blocks, tenants or {}, clock=lambda: self.now)
+        self.sched = Scheduler(cfg, num_blocks, tenants or {}, clock=lambda: self.now,
+                               overload=overload)
         self.step_s, self.per_token_s = step_s, per_token_s
         self.ids = itertools.count()
         self.tenant_of: dict[str, str] = {}
@@ -30,19 +31,23 @@ class Sim:
         self.done: dict[str, RequestOutput] = {}  # terminal output (finished or error)
         self.served: dict[str, int] = {}  # tokens computed per tenant, within the window
         self.order: list[str] = []  # requests in the order they first ran
+        self.replies: dict[str, RequestOutput] = {}  # acknowledgement or refusal
+        self.generated: dict[str, int] = {}  # tokens out per request
 
     def submit(self, tenant: str = "default", prompt: int = 16, max_tokens: int = 16,
                priority: int | None = None, timeout: float | None = None
                ) -> tuple[str, RequestOutput | None]:
         rid = f"r{next(self.ids)}"
         self.tenant_of[rid] = tenant
-        refusal = self.sched.add(EngineRequest(
+        [reply] = self.sched.add_all([EngineRequest(
             request_id=rid, prompt_token_ids=[7] * prompt, arrival_time=self.now,
             tenant=tenant, priority=priority, timeout_s=timeout,
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
-        if refusal is not None:
-            self.done[rid] = refusal
-        return rid, refusal
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))])
+        self.replies[rid] = reply
+        if reply.finish_reason:
+            self.done[rid] = reply
+            return rid, reply
+        return rid, None
 
     def step(self) -> None:
         for out in self.sched.expire():
@@ -64,6 +69,8 @@ class Sim:
         sampled = {s.seq_id: SeqResult([5]) for s in plan.seqs if s.sample}
         for out in self.sched.update(plan, StepResult(plan.step_id, sampled)):
             self.started.setdefault(out.request_id, self.now)
+            self.generated[out.request_id] = self.generated.get(out.request_id, 0) + \
+                len(out.new_token_ids)
             if out.finish_reason:
                 self.done[out.request_id] = out
 
@@ -295,12 +302,13 @@ def test_the_choices_of_one_request_are_admitted_as_a_unit(bound, cfg, tenants):
     no quota taken), 4 are admitted together; more than the bound itself is a 400."""
     sim = Sim(cfg, tenants)
     tenant = "t" if tenants else "default"
-    assert sim.sched.add_all(_group(2, tenant)) == []
+    assert not any(r.finish_reason for r in sim.sched.add_all(_group(2, tenant)))
     refused = sim.sched.add_all(_group(5, tenant))
     assert [r.request_id for r in refused] == [f"g5-{i}" for i in range(5)]
     assert all(r.status == 429 and bound in r.error for r in refused), refused
     assert len(sim.sched.requests) == 2
-    assert sim.sched.add_all(_group(4, tenant)) == []  # so the refusal took no quota
+    # So the refusal took no quota.
+    assert not any(r.finish_reason for r in sim.sched.add_all(_group(4, tenant)))
     assert len(sim.sched.requests) == 6
     never = Sim(cfg, tenants).sched.add_all(_group(7, tenant))
     assert all(r.status == 400 and bound in r.error for r in never), never

@@ -1,0 +1,180 @@
+"""Overload control on a fake clock: the circuit breaker's states, and the degradation ladder
+through a 3x overload ramp of the SLA simulation (tests/test_sla.py's Sim)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.overload import Ladder, Step
+from server.breaker import Breaker
+from server.errors import ApiError
+from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
+from tests.test_sla import Sim
+
+
+def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
+    now = [0.0]
+    moves: list[str] = []
+    cfg = OverloadConfig(breaker_failures=3, breaker_window_s=10, breaker_cooldown_s=5,
+                         breaker_probes=2)
+    breaker = Breaker(cfg, on_change=lambda: moves.append(breaker.state), clock=lambda: now[0])
+
+    def refused() -> ApiError:
+        with pytest.raises(ApiError) as e:
+            breaker.admit()
+        assert e.value.status == 503
+        return e.value
+
+    for t in (0, 6, 12):  # the first has left the 10 s window when the third comes
+        now[0] = t
+        breaker.failure("worker 0 died")
+    assert breaker.state == "closed" and breaker.admit() is False and breaker.problem is None
+    now[0] = 13
+    breaker.failure("worker 0 died")  # 6, 12, 13: three within the window
+    assert breaker.state == "open"
+    assert "3 engine failures within 10s" in breaker.problem
+    assert refused().retry_after == 5
+    now[0] = 17.5
+    assert refused().retry_after == 1  # never 0: "retry at once" would be wrong
+    now[0] = 18  # the cool-down is over: two probes pass, a third waits
+    assert breaker.admit() is True and breaker.admit() is True
+    assert breaker.state == "half-open" and breaker.problem is None  # it takes probes
+    assert "half-open" in refused().message
+    breaker.finished(True)
+    breaker.finished(False)  # the second probe failed: open again, a new cool-down
+    assert breaker.state == "open"
+    now[0] = 22
+    refused()
+    now[0] = 23
+    assert breaker.admit() is True
+    breaker.finished(None)  # the client left: no verdict, and the slot is free again
+    assert breaker.admit() is True and breaker.admit() is True
+    breaker.failure("worker 0 died")  # an engine failure while half-open
+    assert breaker.state == "open"
+    breaker.finished(True)  # the two probes finish after all (recomputed): too late
+    breaker.finished(True)
+    assert breaker.state == "open"
+    now[0] = 28
+    assert breaker.admit() and breaker.admit()
+    breaker.finished(True)
+    breaker.finished(True)
+    assert breaker.state == "closed" and breaker.admit() is False
+    breaker.failure("worker 0 died")  # the old failures were forgotten on closing
+    assert breaker.state == "closed"
+    transitions = [m for i, m in enumerate(moves) if i == 0 or m != moves[i - 1]]
+    assert transitions == ["open", "half-open", "open", "half-open", "open", "half-open",
+                           "closed"]
+    assert breaker.rejected == 4
+
+
+def test_a_breaker_switched_off_live_closes():
+    breaker = Breaker(OverloadConfig(breaker_failures=1))
+    breaker.failure("worker 0 died")
+    assert breaker.state == "open"
+    breaker.configure(OverloadConfig(breaker_failures=0))
+    assert breaker.state == "closed" and breaker.admit() is False
+    breaker.failure("worker 0 died")
+    assert breaker.state == "closed"
+
+
+def test_the_ladder_takes_the_least_important_tenant_first():
+    tenants = {"chat": TenantConfig(weight=4, degrade="cap"),
+               "batch": TenantConfig(degrade="cap-then-refuse"),
+               "bulk": TenantConfig(priority=5, degrade="refuse"),
+               "vip": TenantConfig(weight=0.5)}  # never degrades, whatever its weight
+    ladder = Ladder(OverloadConfig(), tenants, 0.0)
+    assert ladder.steps == [Step("bulk", "refuse"), Step("batch", "cap"),
+                            Step("batch", "refuse"), Step("chat", "cap")]
+
+
+def test_the_ladder_moves_one_step_per_interval_with_hysteresis():
+    cfg = OverloadConfig(ttft_slo_s=1.0, ladder_interval_s=1.0, ladder_recover=0.5)
+    tenants = {"a": TenantConfig(degrade="cap-then-refuse"), "b": TenantConfig(degrade="cap")}
+    ladder = Ladder(cfg, tenants, 0.0)
+    levels = []
+    # TTFT p95 per interval: over, over, over (no step left), between, calm while the demand
+    # is still far above what the engine served, calm and fitting x3.
+    for t, ttft, asked in ((1, 2.0, 0), (2, 1.5, 0), (3, 3.0, 0), (4, 4.0, 0), (5, 0.8, 0),
+                           (6, 0.2, 1000), (7, 0.2, 10), (8, 0.2, 10), (9, 0.2, 10),
+                           (10, 0.2, 10)):
+        ladder.ttfts = [ttft] * 20
+        ladder.requested, ladder.generated = asked, 100
+        ladder.judge(float(t), 0.0, 0.0)
+        ladder.judge(t + 0.5, 0.0, 0.0)  # within the interval: nothing moves
+        levels.append(ladder.level)
+    assert levels == [1, 2, 3, 3, 3, 3, 2, 1, 0, 0]
+    assert ladder.capacity == 100
+    ladder.level = 2
+    assert ladder.actions("a") == {"cap", "refuse"} and ladder.actions("b") == set()
+
+
+def _overload_run(ladder: bool) -> tuple[Sim, list[float], list[int]]:
+    """Chat (1 request / 2 s, 16 tokens) beside batch (400 tokens each) at half the engine's
+    capacity, then 3x it for 60 s, then half again. Same priority, so fair sharing alone keeps
+    chat ahead in the queue, but each of its requests waits for a seat a batch request leaves.
+    The TTFTs of chat requests arriving from 10 s into the overload (the ladder has reacted by
+    then) to its end, and the ladder's level each 2 s."""
+    tenants = {"chat": TenantConfig(weight=4),
+               "batch": TenantConfig(degrade="cap-then-refuse", degrade_max_tokens=16)}
+    overload = OverloadConfig(ttft_slo_s=0.5, max_queue_drain_s=2, ladder_interval_s=2) \
+        if ladder else OverloadConfig()
+    sim = Sim(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                              max_queued_requests=0, max_queued_tokens=0),
+              tenants, overload=overload)
+    capacity = 8 / (sim.step_s + 8 * sim.per_token_s) / 400  # batch requests a second
+    next_batch = next_chat = 0.0
+    chat: list[tuple[str, float]] = []
+    levels = []
+    next_level = 0.0
+    while sim.now < 140:
+        rate = capacity * (3.0 if 20 <= sim.now < 80 else 0.5)
+        while next_batch <= sim.now:
+            sim.submit("batch", prompt=16, max_tokens=400)
+            next_batch += 1 / rate
+        while next_chat <= sim.now:
+            rid, refusal = sim.submit("chat", prompt=16, max_tokens=16)
+            assert refusal is None
+            chat.append((rid, sim.now))
+            next_chat += 2.0
+        while next_level <= sim.now:
+            levels.append(sim.sched.admission.ladder.level)
+            next_level += 2.0
+        sim.step()
+    overloaded = [sim.started[rid] - t for rid, t in chat if 30 <= t < 80 and rid in sim.started]
+    return sim, overloaded, levels
+
+
+def _p95(values: list[float]) -> float:
+    values = sorted(values)
+    return values[math.ceil(0.95 * len(values)) - 1]
+
+
+def test_the_ladder_keeps_interactive_ttft_under_its_slo_through_a_3x_overload():
+    _, without, levels_off = _overload_run(ladder=False)
+    sim, with_ladder, levels = _overload_run(ladder=True)
+    assert set(levels_off) == {0}
+    print(f"chat TTFT p95 in the overload: {_p95(without):.2f}s without the ladder, "
+          f"{_p95(with_ladder):.2f}s with it; levels every 2s: {levels}")
+    assert _p95(without) > 0.5, without  # the SLO is broken without the ladder
+    assert _p95(with_ladder) <= 0.5, with_ladder
+    # Batch was degraded (capped first), chat never was; every degraded reply said so.
+    ladder = sim.sched.admission.ladder
+    assert ladder.degraded[Step("batch", "cap")] > 0
+    capped = [r for r in sim.replies.values() if r.degraded]
+    assert capped and all(r.degraded == "max_tokens=16" for r in capped)
+    assert all(sim.generated.get(r.request_id, 0) <= 16 for r in capped)
+    refused = [r for r in sim.replies.values() if r.finish_reason == "error"]
+    assert all(r.status == 429 and "overload" in r.error and r.retry_after for r in refused)
+    # Requests admitted before a step never lose tokens: every uncapped batch request that
+    # finished got its 400.
+    whole = [rid for rid, r in sim.replies.items() if not r.finish_reason and not r.degraded
+             and sim.tenant_of[rid] == "batch" and rid in sim.done]
+    assert whole and all(sim.generated[rid] == 400 for rid in whole)
+    assert levels[15] >= 1, levels  # it reacted within 10 s of the overload's start (t=20)
+    # Up during the overload, held through it, and back down after it without climbing
+    # again: the level never rises after its first step down.
+    peak = levels.index(max(levels))
+    assert max(levels) >= 1 and levels[-1] == 0, levels
+    assert all(a >= b for a, b in zip(levels[peak:], levels[peak + 1:], strict=False)), levels
