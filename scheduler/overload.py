@@ -43,6 +43,7 @@ class Ladder:
         self.requested = 0
         self.generated = 0
         self.capacity = 0.0
+        self.calm = 0  # judgements in a row that would undo a step
         self._judged = now
         self.configure(cfg, tenants)
 
@@ -65,8 +66,8 @@ class Ladder:
 
     def judge(self, now: float, queue_drain_s: float, kv_use: float) -> None:
         """Once per ladder interval: a step up while a signal is over its threshold, a step
-        down once all are below ladder_recover of theirs and the demand fits (see above),
-        else hold."""
+        down once all have been below ladder_recover of theirs, and the demand has fitted
+        (see above), for ladder_calm_intervals judgements in a row; else hold."""
         cfg = self.cfg
         span = now - self._judged
         if span < cfg.ladder_interval_s:
@@ -96,12 +97,14 @@ class Ladder:
                         else "no longer congested", why)
         if self.congested:
             self.capacity = max(self.capacity, rate)
+        calm = worst < cfg.ladder_recover and demand < cfg.ladder_recover * self.capacity
+        self.calm = self.calm + 1 if calm else 0
         if self.congested and self.level < len(self.steps):
             log.warning("overload: %s; degradation step %d: %s", why, self.level + 1,
                         self.steps[self.level])
             self.level += 1
-        elif worst < cfg.ladder_recover and self.level and \
-                demand < cfg.ladder_recover * self.capacity:
+        elif self.level and self.calm >= cfg.ladder_calm_intervals:
+            self.calm = 0  # the next step back waits as long
             self.level -= 1
             log.info("overload easing: %s, %.0f output tokens/s asked of %.0f served while "
                      "congested; undone step %d: %s", why, demand, self.capacity,

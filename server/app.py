@@ -210,7 +210,8 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
-        if problem := self.engine.problem or self.engine.breaker.problem:
+        if problem := "; ".join(filter(None, (self.engine.breaker.problem,
+                                               self.engine.problem))):
             return web.json_response({"status": "unhealthy", "reason": problem}, status=503)
         return web.json_response({"status": "ok"})
 

@@ -318,6 +318,10 @@ class OverloadConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         float, Meta(gt=0, lt=1, description="a step is undone only when every signal is below "
                     "this fraction of its threshold (hysteresis)")
     ] = 0.7
+    ladder_calm_intervals: Annotated[
+        int, Meta(ge=1, description="judgements in a row that must find the engine calm "
+                  "before a step is undone (an interval without arrivals proves little)")
+    ] = 3
 
 
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):

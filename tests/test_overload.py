@@ -90,7 +90,8 @@ def test_the_ladder_takes_the_least_important_tenant_first():
 
 
 def test_the_ladder_moves_one_step_per_interval_with_hysteresis():
-    cfg = OverloadConfig(ttft_slo_s=1.0, ladder_interval_s=1.0, ladder_recover=0.5)
+    cfg = OverloadConfig(ttft_slo_s=1.0, ladder_interval_s=1.0, ladder_recover=0.5,
+                         ladder_calm_intervals=1)
     tenants = {"a": TenantConfig(degrade="cap-then-refuse"), "b": TenantConfig(degrade="cap")}
     ladder = Ladder(cfg, tenants, 0.0)
     levels = []
@@ -106,6 +107,14 @@ def test_the_ladder_moves_one_step_per_interval_with_hysteresis():
         levels.append(ladder.level)
     assert levels == [1, 2, 3, 3, 3, 3, 2, 1, 0, 0]
     assert ladder.capacity == 100
+    ladder.configure(OverloadConfig(ttft_slo_s=1.0, ladder_interval_s=1.0,
+                                    ladder_calm_intervals=2), tenants)
+    ladder.level, ladder.calm, levels = 2, 0, []
+    for t, ttft in ((11, 0.2), (12, 0.9), (13, 0.2), (14, 0.2), (15, 0.2), (16, 0.2)):
+        ladder.ttfts = [ttft] * 20
+        ladder.judge(float(t), 0.0, 0.0)
+        levels.append(ladder.level)
+    assert levels == [2, 2, 2, 1, 1, 0]  # two calm judgements in a row per step back
     ladder.level = 2
     assert ladder.actions("a") == {"cap", "refuse"} and ladder.actions("b") == set()
 

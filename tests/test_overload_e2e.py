@@ -120,11 +120,11 @@ def test_a_real_overload_moves_the_ladder_and_it_steps_back(tmp_path):
     keys = {name: store.add(name)[1] for name in ("batch", "interactive", "admin")}
     server = ServerProcess("--config", str(tmp_path / "surge.toml"), "--api-keys-file",
                            store.path, env={"XDG_RUNTIME_DIR": root}).wait_ready()
-    burst = {"prompt": "Write a story about a lighthouse.", "max_tokens": 16,
+    burst = {"prompt": "Write a story about a lighthouse.", "max_tokens": 8,
              "ignore_eos": True, "temperature": 0}
     ask = {"prompt": "Count from 1:", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
 
-    async def overload() -> tuple[list[tuple[int, dict, dict]], dict]:
+    async def overload() -> tuple[list[tuple[int, dict, dict]], dict, dict, str]:
         stop = asyncio.Event()
         async with aiohttp.ClientSession() as session:
             async def post(body: dict, key: str) -> tuple[int, dict, dict]:
@@ -146,14 +146,16 @@ def test_a_real_overload_moves_the_ladder_and_it_steps_back(tmp_path):
                                     "body": ask})
                 while (frame := await ws.receive_json())["type"] != "done":
                     pass
+            # Still overloaded: the metrics (exported once a second) and the admin's view.
+            await asyncio.sleep(1.2)
+            metrics = await asyncio.to_thread(_metrics, server.url, keys["admin"])
+            stats = await asyncio.to_thread(_admin, root, "stats")
             stop.set()
             await asyncio.gather(*flood)
-            return list(capped), frame
+            return list(capped), frame, metrics, stats
 
     try:
-        (batch, interactive), done = asyncio.run(overload())
-        metrics = _metrics(server.url, keys["admin"])
-        stats = _admin(root, "stats")
+        (batch, interactive), done, metrics, stats = asyncio.run(overload())
         # The load is gone: without first tokens the signal is calm, and nothing is asked.
         deadline = time.monotonic() + 30
         while _metrics(server.url, keys["admin"])[("surge_overload_level", ())] and \
