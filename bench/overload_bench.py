@@ -24,12 +24,13 @@ import tempfile
 import time
 import urllib.request
 
+from surge.bench import engine_stats
 from surge.keys import KeyStore
 from surge.loadgen import Result, client_session, closed_loop, percentiles, send
 from tests.server import ServerProcess
 
 _PROBE = {"prompt": "Answer in one short sentence: what is the capital of France?",
-          "max_tokens": 16, "temperature": 0}
+          "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 _BATCH = {"prompt": "Write a long, detailed story about a lighthouse keeper who finds a message "
                     "in a bottle. " * 3, "max_tokens": 128, "ignore_eos": True}
 
@@ -95,11 +96,17 @@ def measure(ladder: bool, rate: float | None, opts: argparse.Namespace, extra: l
                            store.path, *extra, dtype=opts.dtype,
                            kv_cache_memory="2GiB").wait_ready()
     try:
-        if rate is None:  # the batch tenant's capacity, on this machine, now
-            results, wall = asyncio.run(closed_loop(
-                server.url, [_BATCH] * 1000, opts.clients,
-                {"Authorization": f"Bearer {keys['batch']}"}, deadline_s=opts.measure_s))
-            rate = sum(1 for r in results if r.error is None) / wall
+        if rate is None:  # the batch tenant's capacity, on this machine, now: the tokens
+            # the server generated under a closed loop, in batch requests' worth a second
+            admin = {"Authorization": f"Bearer {keys['admin']}"}
+            before = engine_stats(server.url, headers=admin)
+            asyncio.run(closed_loop(server.url, [_BATCH] * 1000, opts.clients,
+                                    {"Authorization": f"Bearer {keys['batch']}"},
+                                    deadline_s=opts.measure_s))
+            after = engine_stats(server.url, after=before["time"] + opts.measure_s,
+                                 headers=admin)
+            rate = (after["generated_tokens"] - before["generated_tokens"]) / \
+                (after["time"] - before["time"]) / _BATCH["max_tokens"]
         batch, probes, wall = asyncio.run(_overload(server.url, keys, 3 * rate, opts))
         counters = _metrics(server.url, keys["admin"])
     finally:
@@ -108,7 +115,8 @@ def measure(ladder: bool, rate: float | None, opts: argparse.Namespace, extra: l
     ttft = percentiles([r.ttft for r in probes if r.error is None])
     return {"ladder": "on" if ladder else "off", "batch_rate_per_s": round(3 * rate, 2),
             "probe_ttft_p50_ms": round(ttft["p50"]), "probe_ttft_p95_ms": round(ttft["p95"]),
-            "probes_answered": f"{len(probes)}/{int(opts.overload_s / opts.gap)}",
+            "probes_answered": f"{sum(r.error is None for r in probes)}/"
+                               f"{int(opts.overload_s / opts.gap)}",
             "batch_finished": len(done),
             "batch_goodput_tok_s": round(sum(r.output_tokens for r in done) / wall, 1),
             "batch_refused_429": sum(1 for r in batch if r.status == 429),

@@ -57,7 +57,8 @@ class Ladder:
 
     @property
     def conservative(self) -> bool:
-        """While congested or degraded the scheduler plans conservatively (see Scheduler)."""
+        """While congested or degraded the scheduler stops speculating: proposals spend
+        compute that only pays when the batch is small (see Scheduler.speculating)."""
         return self.congested or self.level > 0
 
     def actions(self, tenant: str) -> set[str]:
@@ -93,7 +94,7 @@ class Ladder:
         self.reason = why
         if (worst > 1) != self.congested:
             self.congested = worst > 1
-            log.warning("engine %s: %s", "congested, conservative steps" if self.congested
+            log.warning("engine %s: %s", "congested (no speculation)" if self.congested
                         else "no longer congested", why)
         if self.congested:
             self.capacity = max(self.capacity, rate)

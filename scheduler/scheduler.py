@@ -255,13 +255,8 @@ class Scheduler:
             self.spec.active(self.running, self._next_step_id)
 
     def interactive(self) -> bool:
-        """Whether steps are kept short for urgent arrivals (see interactive_step_ms): with
-        more than one priority class about, or while the engine is congested."""
-        if not self.cfg.interactive_step_ms:
-            return False
-        if self.admission.ladder.conservative:
-            return True
-        if self.cfg.policy != "priority":
+        """Whether steps are kept short for urgent arrivals (see interactive_step_ms)."""
+        if not self.cfg.interactive_step_ms or self.cfg.policy != "priority":
             return False
         now = self.clock()
         return sum(now - seen < _MIXED_WINDOW_S for seen in self._classes_seen.values()) > 1

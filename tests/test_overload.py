@@ -8,9 +8,11 @@ import math
 import pytest
 
 from scheduler.overload import Ladder, Step
+from scheduler.scheduler import Scheduler
 from server.breaker import Breaker
 from server.errors import ApiError
-from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
+from surge.config import OverloadConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
+from surge.protocol import EngineRequest, SamplingParams, SeqResult, StepResult
 from tests.test_sla import Sim
 
 
@@ -187,3 +189,26 @@ def test_the_ladder_keeps_interactive_ttft_under_its_slo_through_a_3x_overload()
     peak = levels.index(max(levels))
     assert max(levels) >= 1 and levels[-1] == 0, levels
     assert all(a >= b for a, b in zip(levels[peak:], levels[peak + 1:], strict=False)), levels
+
+
+def test_a_congested_engine_stops_speculating_and_starts_again():
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(), 1000, clock=lambda: now[0],
+                      speculative=SpeculativeConfig(speculative_method="ngram"),
+                      overload=OverloadConfig(max_queue_drain_s=1.0, ladder_interval_s=1.0))
+    for i in range(3):
+        sched.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=[5, 6] * 8,
+                                arrival_time=0.0, sampling=SamplingParams(max_tokens=50)))
+    plan = sched.schedule()
+    sched.update(plan, StepResult(plan.step_id, {s.seq_id: SeqResult([5]) for s in plan.seqs}))
+    assert sched.speculating()
+    sched.add(EngineRequest(request_id="late", prompt_token_ids=[1] * 8, arrival_time=0.0,
+                            sampling=SamplingParams(max_tokens=5)))
+    sched.admission.drained.events.clear()  # nothing drains: the queue's age is its drain time
+    now[0] = 3.0
+    sched.admission.judge(sched.waiting, sched.blocks, now[0])
+    assert sched.admission.ladder.congested and not sched.speculating()
+    sched.abort(["late"])
+    now[0] = 4.0
+    sched.admission.judge(sched.waiting, sched.blocks, now[0])
+    assert not sched.admission.ladder.congested and sched.speculating()
