@@ -224,17 +224,24 @@ class Frontend:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         generated = 0
+        options = body.stream_options
+        running = options is not None and options.include_usage and options.continuous_usage_stats
+
+        def event(chunk: dict) -> bytes:
+            return _event({**chunk, "usage": usage(prompt_tokens, generated)} if running
+                          else chunk)
+
         try:
             await response.prepare(request)
             for chunk in opening:
-                await response.write(_event(chunk))
+                await response.write(event(chunk))
             for piece in first:
-                await response.write(_event({**head, "choices": [choice(piece)]}))
+                await response.write(event({**head, "choices": [choice(piece)]}))
             async with aclosing(pieces) as stream:
                 async for piece in stream:
                     generated += piece.num_tokens
-                    await response.write(_event({**head, "choices": [choice(piece)]}))
-            if body.stream_options and body.stream_options.include_usage:
+                    await response.write(event({**head, "choices": [choice(piece)]}))
+            if options and options.include_usage:
                 await response.write(_event({**head, "choices": [],
                                              "usage": usage(prompt_tokens, generated)}))
         except ApiError as e:

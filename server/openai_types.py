@@ -27,6 +27,8 @@ MAX_STOP_TOKEN_IDS = 256
 
 class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):

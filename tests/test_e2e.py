@@ -84,6 +84,18 @@ def test_streamed_completion_equals_non_streamed(client, prompt):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it)."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT[0], temperature=0, max_tokens=12, stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
+    assert chunks[-1].choices == [] and all(c.choices for c in chunks[:-1])
+
+
 def test_streamed_chat_equals_non_streamed(client):
     args = dict(model=MODEL, messages=CHAT[2], temperature=0, max_tokens=40)
     full = client.chat.completions.create(**args).choices[0].message.content
