@@ -22,7 +22,7 @@ import urllib.request
 
 from bench.echo_scheduler import run_echo_scheduler
 from server.main import run_frontend
-from surge.config import load_config
+from surge.config_load import load_config
 from surge.runtime import Channels
 from tests.server import free_port
 

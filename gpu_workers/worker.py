@@ -23,7 +23,8 @@ from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
-from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig, parse_memory
+from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig
+from surge.config_load import parse_memory
 from surge.grammar import Matchers
 from surge.model_files import resolve_model
 from surge.process import child_setup

@@ -13,7 +13,7 @@ import tomllib
 import msgspec
 import zmq
 
-from surge.config import section_of
+from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
 from surge.runtime import find_server, recorded, supervisor_pid

@@ -7,7 +7,8 @@ import sys
 
 import msgspec
 
-from surge.config import ConfigError, add_arguments, load_config
+from surge.config import ConfigError
+from surge.config_load import add_arguments, load_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,7 +7,8 @@ import math
 import os
 import socket
 
-from surge.config import ConfigError, SurgeConfig, parse_memory
+from surge.config import ConfigError, SurgeConfig
+from surge.config_load import parse_memory
 from surge.model_files import (
     ModelError,
     ModelFiles,

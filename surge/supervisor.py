@@ -176,7 +176,8 @@ class Supervisor:
     def reload(self) -> None:
         """SIGHUP: read the config again and hand the live parameters to the scheduler."""
         from surge.admin import ask
-        from surge.config import ConfigError, load_config
+        from surge.config import ConfigError
+        from surge.config_load import load_config
 
         try:
             new = load_config(self.flags)

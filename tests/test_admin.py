@@ -189,7 +189,7 @@ def test_quantiles_from_cumulative_buckets():
 
 def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
     from surge.admin import _persist
-    from surge.config import load_config
+    from surge.config_load import load_config
 
     config = tmp_path / "surge.toml"
     config.write_text('[server]\nport = 9001\n[tenants.batch]\npriority = 10\n')

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from surge.config import ConfigError, add_arguments, load_config, parse_memory
+from surge.config import ConfigError
+from surge.config_load import add_arguments, load_config, parse_memory
 
 
 def _flags(argv: list[str]) -> dict:

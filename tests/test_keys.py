@@ -217,7 +217,7 @@ def test_lookup_matches_what_is_stored(ops, unknown):
 
 
 def test_single_api_key_beside_the_file(tmp_path):
-    from surge.config import load_config
+    from surge.config_load import load_config
     from surge.keys import Keys
 
     assert Keys.of(None, None) is None

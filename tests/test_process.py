@@ -14,7 +14,7 @@ from gpu_workers.devices import resolve as resolve_devices
 from gpu_workers.worker import run_worker
 from scheduler.loop import run_scheduler
 from shm.ring import RingBuffer
-from surge.config import load_config
+from surge.config_load import load_config
 from surge.protocol import (
     AbortRequest,
     EngineOutputs,

@@ -19,7 +19,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence
 from scheduler.speculation import Speculation, ngram_propose
 from scheduler.tenants import Tenant
-from surge.config import ConfigError, SpeculativeConfig, SurgeConfig, TenantConfig, load_config
+from surge.config import ConfigError, SpeculativeConfig, SurgeConfig, TenantConfig
+from surge.config_load import load_config
 from surge.protocol import SamplingParams, ScheduledSeq, StepPlan
 from tests.inprocess import InProcessEngine
 from tests.prompts import reference_prompts

@@ -1,0 +1,137 @@
+"""Loading the configuration: defaults < TOML file < SURGE_* variables < flags, one --flag per
+field (surge.config holds the typed sections), and memory sizes such as kv_cache_memory."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import typing
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from surge.config import SECTIONS, ConfigError, SurgeConfig
+
+
+def _options() -> dict[str, tuple[str, Any]]:
+    """Every option name (unique across sections) -> (section, annotated type)."""
+    options: dict[str, tuple[str, Any]] = {}
+    for section, struct in SECTIONS.items():
+        for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+            assert name not in options, f"option {name} is defined twice"
+            options[name] = (section, hint)
+    return options
+
+
+def _description(hint: Any) -> str:
+    for meta in getattr(hint, "__metadata__", ()):
+        if isinstance(meta, Meta) and meta.description:
+            return meta.description
+    return ""
+
+
+def _is_bool(hint: Any) -> bool:
+    return typing.get_args(hint)[0] is bool if hasattr(hint, "__metadata__") else hint is bool
+
+
+def _choices(hint: Any) -> tuple[str, ...] | None:
+    base = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+    return typing.get_args(base) if typing.get_origin(base) is Literal else None
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            for struct in SECTIONS.values() for f in msgspec.structs.fields(struct)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one --flag per config field; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", default=None, help="TOML file (also SURGE_CONFIG)")
+    defaults = _defaults()
+    for name, (section, hint) in _options().items():
+        flag = "--" + name.replace("_", "-")
+        default = defaults[name]
+        shown = "unset" if default is None else (str(default).lower()
+                                                 if isinstance(default, bool) else default)
+        description = _description(hint)
+        if "(default:" not in description:
+            description += f" (default: {shown})"
+        help_text = f"{description} [{section}.{name}, SURGE_{name.upper()}]"
+        if _is_bool(hint):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, default=None, choices=_choices(hint), help=help_text)
+
+
+def load_config(
+    flags: dict[str, Any] | None = None, env: typing.Mapping[str, str] | None = None
+) -> SurgeConfig:
+    """Build the config from defaults, the TOML file, SURGE_* variables and flags (flags win)."""
+    flags = flags or {}
+    env = os.environ if env is None else env
+    merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    path = flags.get("config") or env.get("SURGE_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        for section, values in data.items():
+            if section == "tenants" and isinstance(values, dict):
+                merged["tenants"] = values
+                continue
+            if section not in merged or not isinstance(values, dict):
+                raise ConfigError(
+                    f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}, tenants"
+                )
+            merged[section].update(values)
+    for name, (section, _) in _options().items():
+        if f"SURGE_{name.upper()}" in env:
+            merged[section][name] = env[f"SURGE_{name.upper()}"]
+        if flags.get(name) is not None:
+            merged[section][name] = flags[name]
+    try:
+        cfg = msgspec.convert(merged, SurgeConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from e
+    if problem := cfg.speculative.problem():
+        raise ConfigError(problem)
+    return cfg
+
+
+def section_of(option: str) -> str:
+    """The config section an option belongs to (KeyError: no such option)."""
+    return _options()[option][0]
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: str, free_bytes: int) -> int:
+    """'96MiB' -> bytes; '0.8' -> that fraction of free_bytes (a bare number must be in
+    (0, 1])."""
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit == "" and amount != -1.0 and not 0 < amount <= 1:
+        # A bare number is a fraction; 2 or 4096 are far more likely sizes missing a unit.
+        raise ConfigError(
+            f"kv_cache_memory={value!r} has no unit, so it was read as a fraction of free "
+            f"memory, which must be in (0, 1]; for a size add a unit (e.g. {number}MiB)")
+    if amount <= 0 or unit not in _UNITS:
+        raise ConfigError(
+            f"kv_cache_memory={value!r}: use bytes with a unit (e.g. 512MiB, 2GiB) "
+            "or a fraction of free memory in (0, 1] (e.g. 0.8)"
+        )
+    if unit == "":
+        return int(amount * free_bytes)
+    return int(amount * _UNITS[unit])
