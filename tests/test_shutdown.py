@@ -125,13 +125,19 @@ def _worker_pid(server: ServerProcess) -> int:
     return worker
 
 
-def _streams(server: ServerProcess, n: int, max_tokens: int) -> list[tuple[str, float]]:
-    """n greedy streams at once: (text, longest gap between two chunks) of each."""
+def _streams(server: ServerProcess, n: int, max_tokens: int, kill: int | None = None
+             ) -> list[tuple[str, float]]:
+    """n greedy streams at once: (text, longest gap between two chunks) of each. kill: a pid
+    to SIGKILL once every stream is, on average, an eighth of the way through (mid-stream on
+    any machine, however fast)."""
     import asyncio
 
     import aiohttp
 
+    chunks = 0
+
     async def one(session: aiohttp.ClientSession, i: int) -> tuple[str, float]:
+        nonlocal chunks
         body = {"prompt": f"Count from {i}:", "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         text, gap, last = [], 0.0, time.monotonic()
@@ -143,6 +149,9 @@ def _streams(server: ServerProcess, n: int, max_tokens: int) -> list[tuple[str, 
                     chunk = json.loads(line[6:])
                     assert "choices" in chunk, chunk
                     text += [c["text"] for c in chunk["choices"]]
+                    chunks += 1
+                    if kill is not None and chunks == n * max_tokens // 8:
+                        os.kill(kill, signal.SIGKILL)
         return "".join(text), gap
 
     async def main() -> list[tuple[str, float]]:
@@ -156,21 +165,17 @@ def test_worker_killed_midway_is_replaced_and_streams_finish_identically(tmp_pat
     """kill -9 the worker while 32 greedy streams run: a new worker starts, every request is
     recomputed from its tokens and each stream ends with exactly the text of an undisturbed
     run; the pause is reported."""
-    import threading
 
     server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
     try:
         undisturbed = _streams(server, 32, 48)
         worker = _worker_pid(server)
-        killer = threading.Timer(3.0, os.kill, (worker, signal.SIGKILL))
-        killer.start()
-        disturbed = _streams(server, 32, 48)
-        killer.join()
+        disturbed = _streams(server, 32, 48, kill=worker)
         assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
         assert _worker_pid(server) != worker
         calm = max(g for _, g in undisturbed)
         pause = max(g for _, g in disturbed)
-        print(f"\n  32 streams, worker killed after 3 s: longest gap between chunks {pause:.1f}s "
+        print(f"\n  32 streams, worker killed mid-stream: longest gap between chunks {pause:.1f}s "
               f"(undisturbed {calm:.2f}s); the pause is mostly the new worker's model load")
     finally:
         assert server.stop() == 0, server.output()
@@ -181,7 +186,6 @@ def test_deterministic_bf16_recovery_and_batching_give_the_same_text(tmp_path):
     """In bf16 a recomputed prefill rounds differently from the decode steps it replaces;
     --deterministic makes every token's attention independent of its step, so a kill -9 under
     16 streams, and a request run alone, both give the undisturbed batch's text."""
-    import threading
 
     server = ServerProcess("--deterministic", dtype="bfloat16",
                            env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
@@ -190,13 +194,11 @@ def test_deterministic_bf16_recovery_and_batching_give_the_same_text(tmp_path):
         alone = [t for t, _ in _streams(server, 1, 48)]
         assert alone[0] == undisturbed[0]
         worker = _worker_pid(server)
-        killer = threading.Timer(3.0, os.kill, (worker, signal.SIGKILL))
-        killer.start()
-        disturbed = [t for t, _ in _streams(server, 16, 48)]
-        killer.join()
+        disturbed = [t for t, _ in _streams(server, 16, 48, kill=worker)]
         assert _worker_pid(server) != worker
         same = sum(a == b for a, b in zip(disturbed, undisturbed, strict=True))
-        print(f"\n  bf16 --deterministic, worker killed after 3 s: {same}/16 texts as undisturbed")
+        print(f"\n  bf16 --deterministic, worker killed mid-stream: {same}/16 texts as "
+              f"undisturbed")
         assert disturbed == undisturbed
     finally:
         assert server.stop() == 0, server.output()
