@@ -106,9 +106,7 @@ class StatsCollector:
         self._export_queues(sched)
         self._export_tenants(sched)
         _export_limits(sched, cfg)
-        _export_ladder(sched)
-        for step, count in sched.admission.ladder.degraded.items():
-            self._advance(metrics.degraded.labels(*step), f"degraded {step}", count)
+        self._export_ladder(sched)
 
     def _advance(self, counter: Counter, series: str, total: int) -> None:
         """Counters only go up: add what a running total gained since the last export."""
@@ -142,6 +140,17 @@ class StatsCollector:
                           tenant.served_tokens)
             metrics.tenant_running.labels(name).set(tenant.num_running)
 
+    def _export_ladder(self, sched: Scheduler) -> None:
+        ladder = sched.admission.ladder
+        metrics.overload_level.set(ladder.level)
+        metrics.congested.set(float(ladder.congested))
+        for name, value in ladder.signals.items():
+            metrics.overload_signal.labels(name).set(value)
+        for step in ladder.steps:  # at 0 from the start
+            metrics.degraded.labels(step.tenant, step.action)
+        for step, count in ladder.degraded.items():
+            self._advance(metrics.degraded.labels(*step), f"degraded {step}", count)
+
 
 def _priority_label(priority: int) -> str:
     # Clients choose priorities: far-out values share one label, so series stay few.
@@ -161,12 +170,3 @@ def _export_limits(sched: Scheduler, cfg: SurgeConfig) -> None:
             if not isinstance(value, str):  # degrade is a word (the ladder's series show it)
                 metrics.tenant_limit.labels(name, field).set(float(value))
 
-
-def _export_ladder(sched: Scheduler) -> None:
-    ladder = sched.admission.ladder
-    metrics.overload_level.set(ladder.level)
-    metrics.congested.set(float(ladder.congested))
-    for name, value in ladder.signals.items():
-        metrics.overload_signal.labels(name).set(value)
-    for step in ladder.steps:  # at 0 from the start
-        metrics.degraded.labels(step.tenant, step.action)
