@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_workers.sampler import SamplingBatch, sample, uniform_noise
 from surge.protocol import SamplingParams, ScheduledSeq
@@ -116,3 +118,29 @@ def test_both_halves_of_the_seed_count():
     positions = torch.zeros(2, dtype=torch.int64)
     u = uniform_noise(torch.tensor([5, 5 + 2**32]), positions, 100)
     assert not torch.equal(u[0], u[1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 100), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_grammar_bitmask_bans_exactly_the_unset_bits(vocab, seed, data):
+    """Bit t of a masked row's word t // 32 set = token t allowed; unmasked rows untouched;
+    logprobs stay the model's own (the raw logits are not written to)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, vocab, generator=g)
+    raw = logits.clone()
+    rows = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True))
+    words = (vocab + 31) // 32
+    mask = torch.randint(-2**31, 2**31 - 1, (len(rows), words), dtype=torch.int32, generator=g)
+    params = [SamplingParams(max_tokens=1, temperature=0, logprobs=1)] * 4
+    batch = _batch(params)
+    batch.grammar_rows, batch.grammar_mask = torch.tensor(rows), mask
+    tokens, _, logprobs = sample(logits, batch)
+    expected = raw.clone()
+    for j, r in enumerate(rows):
+        for t in range(vocab):
+            if not (int(mask[j, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    assert torch.equal(logits, raw)
+    assert tokens.tolist() == expected.argmax(-1).tolist()
+    assert [lp.logprob for lp in logprobs] == pytest.approx(
+        torch.log_softmax(raw, -1).gather(1, tokens[:, None])[:, 0].tolist())
