@@ -26,7 +26,7 @@ from server.openai_types import (
 )
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
-from server.tools import ToolCallParser, tools_on
+from server.tools import tool_parsers
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
@@ -117,7 +117,7 @@ class Frontend:
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.translator.model_name}
         # With tools, each choice's text goes through a parser that takes the calls out.
-        parsers = [ToolCallParser() for _ in range(n)] if chat and tools_on(body) else None
+        parsers = tool_parsers(body, self.tokenizer.tool_format, n) if chat else None
 
         def choice(piece: Piece) -> dict:
             lp = None

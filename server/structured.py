@@ -13,6 +13,7 @@ from msgspec import Struct
 
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.tool_parsers import HERMES, ToolFormat
 from server.tools import tool_grammar
 from surge.grammar import GrammarError, compile_grammar
 
@@ -26,8 +27,10 @@ class Constraint(Struct, frozen=True):
     param: str  # the request field it came from, for error messages
 
 
-def constraint_of(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
-    """The body's one constraint (None: free text); two at once are a 400."""
+def constraint_of(body: CompletionRequest | ChatCompletionRequest,
+                  tool_format: ToolFormat = HERMES) -> Constraint | None:
+    """The body's one constraint (None: free text); two at once are a 400. tool_format: the
+    form tool_choice's calls take."""
     found: list[Constraint] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -53,7 +56,7 @@ def constraint_of(body: CompletionRequest | ChatCompletionRequest) -> Constraint
         if spec is not None:
             found.append(Constraint(kind, _schema(spec, param) if kind == "json_schema"
                                     else spec, param))
-    if isinstance(body, ChatCompletionRequest) and (calls := tool_grammar(body)):
+    if isinstance(body, ChatCompletionRequest) and (calls := tool_grammar(body, tool_format)):
         found.append(Constraint("lark", calls, "tool_choice"))
     if len(found) > 1:
         raise ApiError(400, f"{found[0].param} and {found[1].param} both constrain the output; "

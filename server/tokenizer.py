@@ -8,6 +8,7 @@ import os
 import shutil
 from typing import Any
 
+from server.tool_parsers import ToolFormat, format_of
 from surge.model_files import ModelFiles, generation_config
 
 log = logging.getLogger("surge.frontend")
@@ -73,6 +74,11 @@ class Tokenizer:
     def template_takes_tools(self) -> bool:
         """Whether the chat template renders a `tools` argument (else tools.py describes them)."""
         return "tools" in (self.hf.chat_template or "")
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The form of tool calls the model was taught (server/tool_parsers.py)."""
+        return format_of(self.hf.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None,

@@ -1,22 +1,21 @@
-"""Tool calling: OpenAI `tools` into the prompt, `tool_choice` into a grammar, and the model's
-calls out of its text, whole or streamed.
+"""Tool calling: OpenAI `tools` into the prompt and `tool_choice` into a grammar (the calls
+come back out of the text in server/tool_parsers.py).
 
-The call format is Hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(Hermes, Qwen 2.5 and others). A chat template that takes `tools` gets them and the messages'
-tool calls as they are; for one that does not (the bundled SmolLM2's), the tools are described
-in the system message and past calls and results are written in that format.
+A chat template that takes `tools` gets them and the messages' tool calls as they are, and
+the model answers in its family's format; for one that does not (the bundled SmolLM2's), the
+tools are described in the system message in the Hermes format, and past calls and results
+are written in it.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, ToolChoiceNamed
+from server.tool_parsers import CLOSE, OPEN, ToolFormat, ToolParser, parser_for
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _SYSTEM = (
     "You may call one or more functions to assist with the user query. You are provided with "
     "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -104,9 +103,10 @@ def chat_messages(body: ChatCompletionRequest, template_takes_tools: bool
     return messages, None
 
 
-def tool_grammar(body: ChatCompletionRequest) -> str | None:
+def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """A Lark grammar (llguidance's dialect) for tool_choice required or a named function:
-    only calls of the allowed functions, with arguments valid for their schemas."""
+    only calls of the allowed functions in the format's own form, with arguments valid for
+    their schemas."""
     choice = body.tool_choice
     if not body.tools or choice in (None, "none", "auto"):
         return None
@@ -117,81 +117,25 @@ def tool_grammar(body: ChatCompletionRequest) -> str | None:
     for i, t in enumerate(tools):
         schema = {"type": "object", "properties": {
             "name": {"const": t.function.name},
-            "arguments": t.function.parameters or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False,
+            fmt.arguments_key: t.function.parameters or {"type": "object"}},
+            "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
     many = body.parallel_tool_calls and not isinstance(choice, ToolChoiceNamed)
-    call = f'"{OPEN}\\n" ({" | ".join(f"fn{i}" for i in range(len(tools)))}) "\\n{CLOSE}"'
-    start = 'start: call ("\\n" call)*' if many else "start: call"
-    return "\n".join([start, f"call: {call}", *rules])
+    fn = f'({" | ".join(f"fn{i}" for i in range(len(tools)))})'
+    # (opening, call, separator, closing) of each format's answer
+    opening, call, sep, closing = {
+        "hermes": ("", f'"{OPEN}\\n" {fn} "\\n{CLOSE}"', '"\\n"', ""),
+        "llama3_json": ("", fn, '"; "', ""),
+        "mistral": ('"["', fn, '", "', '"]"')}[fmt.name]
+    calls = f"call ({sep} call)*" if many else "call"
+    start = " ".join(p for p in (opening, calls, closing) if p)
+    return "\n".join([f"start: {start}", f"call: {call}", *rules])
 
 
-class ToolCallParser:
-    """One choice's text, fed as it streams: the content to show and the tool calls found.
-    Text that might begin a call is held back until it is known whether it does."""
-
-    def __init__(self) -> None:
-        self.buffer = ""
-        self.in_call = False
-        self.content = ""  # all the content given out so far
-        self.calls: list[dict[str, Any]] = []  # as OpenAI's message.tool_calls
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """(content to emit now, stream deltas for the calls completed now)."""
-        self.buffer += text
-        out, deltas = "", []
-        while True:
-            if self.in_call:
-                end = self.buffer.find(CLOSE)
-                if end < 0:
-                    break
-                body, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE):]
-                self.in_call = False
-                call = self._call(body)
-                if call is None:  # not a well-formed call: it stays text
-                    out += f"{OPEN}{body}{CLOSE}"
-                    continue
-                self.calls.append(call)
-                deltas.append({"index": len(self.calls) - 1, **call})
-                continue
-            start = self.buffer.find(OPEN)
-            if start < 0:
-                keep = 0 if final else _held(self.buffer)
-                out += self._text(self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            out += self._text(self.buffer[:start])
-            self.buffer = self.buffer[start + len(OPEN):]
-            self.in_call = True
-        if final and self.in_call:  # a call the budget cut short: shown as the text it is
-            out += OPEN + self.buffer
-            self.buffer, self.in_call = "", False
-        self.content += out
-        return out, deltas
-
-    def _text(self, text: str) -> str:
-        """Content, except the whitespace between and after calls."""
-        return "" if self.calls and not text.strip() else text
-
-    @staticmethod
-    def _call(body: str) -> dict[str, Any] | None:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
-
-
-def _held(buffer: str) -> int:
-    """How much of the buffer's end to hold back: trailing whitespace (it may precede a call)
-    and any start of OPEN."""
-    stripped = buffer.rstrip()
-    for k in range(min(len(OPEN) - 1, len(stripped)), 0, -1):
-        if OPEN.startswith(stripped[-k:]):
-            return len(buffer) - len(stripped) + k
-    return len(buffer) - len(stripped)
+def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:
+    """One parser per choice when the model is offered tools (None: it is not)."""
+    if not tools_on(body):
+        return None
+    names = [t.function.name for t in body.tools or []]
+    return [parser_for(fmt, names) for _ in range(n)]

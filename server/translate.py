@@ -83,7 +83,7 @@ class RequestTranslator:
 
     async def grammar(self, body: Body) -> str | None:
         """The compiled grammar of the body's constraint (None: free text)."""
-        c = constraint_of(body)
+        c = constraint_of(body, self.tokenizer.tool_format)
         return None if c is None else await self.grammars.compile(c)
 
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
