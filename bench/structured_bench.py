@@ -1,5 +1,5 @@
 """Structured output's cost to everyone else: concurrency 16, none constrained vs half the
-requests constrained by a JSON schema, on one server in one run (alternated --rounds times).
+requests constrained by a JSON schema, on one server in one run (--rounds pairs, A-B-B-A).
 
 Every request is a chat asking for JSON and decodes 64 tokens (the unconstrained ones ignore
 EOS; the constrained ones follow a schema that needs more than 64). Reported per run: output
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -108,16 +109,24 @@ def main() -> int:
     rows: list[dict] = []
     try:
         _run(server.url, True, opts.concurrency, opts.concurrency)  # warm-up, matchers too
-        for _ in range(opts.rounds):
-            for constrained in (False, True):
-                rows.append(_run(server.url, constrained, opts.requests, opts.concurrency))
-                print(json.dumps(rows[-1]), flush=True)
+        # A-B-B-A: a drift in the machine's speed over the run falls on both sides alike.
+        for i in range(opts.rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            pair = {}
+            for constrained in order:
+                pair[constrained] = _run(server.url, constrained, opts.requests,
+                                         opts.concurrency)
+                print(json.dumps(pair[constrained]), flush=True)
+            rows += [pair[False], pair[True]]
     finally:
         server.stop()
     base = [r["plain_tpot_p50_ms"] for r in rows if r["constrained"] == "none"]
     half = [r["plain_tpot_p50_ms"] for r in rows if r["constrained"] == "half"]
-    print(f"unconstrained TPOT p50, half constrained / none: "
-          f"{sum(half) / len(half) / (sum(base) / len(base)):.3f}")
+    ratios = sorted(h / b for h, b in zip(half, base, strict=True))
+    print(f"unconstrained TPOT p50, half constrained / none: mean of runs "
+          f"{sum(half) / len(half) / (sum(base) / len(base)):.3f}, median of the "
+          f"{len(ratios)} pairs' ratios {statistics.median(ratios):.3f} "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
     print(json.dumps({"grammar_cost": _compile_costs()}))
     print(f"server args: {' '.join(extra) or '(defaults)'}; load average "
           f"{os.getloadavg()[0]:.2f}")
