@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from gpu_workers.llama import LlamaConfig
 from kernels.rotary import SCALINGS
-from surge.model_files import ModelFiles, gguf_metadata, hf_config
+from surge.model_files import ModelFiles, context_length, gguf_metadata, hf_config
 
 # Hugging Face model_type values, and GGUF general.architecture values.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -63,7 +63,14 @@ def config_from_hf(c: Any) -> LlamaConfig:
     if kind == "gemma3_text":  # one rope per layer type
         local_theta = rope["sliding_attention"]["rope_theta"]
         rope = rope["full_attention"]
-    if rope.get("rope_type", "default") not in SCALINGS:
+    kind_of_rope = rope.get("rope_type", "default")
+    if kind_of_rope in ("dynamic", "longrope"):
+        # What the table needs that Hugging Face reads from the config itself.
+        rope.setdefault("original_max_position_embeddings", getattr(
+            c, "original_max_position_embeddings", None) or c.max_position_embeddings)
+        if kind_of_rope == "longrope" and not rope.get("factor"):
+            rope["factor"] = c.max_position_embeddings / rope["original_max_position_embeddings"]
+    if kind_of_rope not in SCALINGS:
         raise UnsupportedModel(f"{kind}: rope scaling {rope['rope_type']!r} is not supported "
                                f"({', '.join(SCALINGS)})")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -91,7 +98,7 @@ def config_from_hf(c: Any) -> LlamaConfig:
         rms_norm_eps=c.rms_norm_eps,
         rope_theta=rope.get("rope_theta", 10000.0),
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-        max_position_embeddings=c.max_position_embeddings,
+        max_position_embeddings=context_length(c.max_position_embeddings, rope),
         tie_word_embeddings=c.tie_word_embeddings,
         qkv_bias=kind == "qwen2" or (kind == "qwen3" and c.attention_bias),
         qk_norm=kind in ("qwen3", "gemma3_text"),

@@ -145,4 +145,18 @@ def max_model_len(files: ModelFiles) -> int:
         meta = gguf_metadata(files.path)
         arch = meta["general.architecture"]
         return int(meta[f"{arch}.context_length"])
-    return int(hf_config(files.folder).get("max_position_embeddings", 2048))
+    config = hf_config(files.folder)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return context_length(int(config.get("max_position_embeddings", 2048)), rope)
+
+
+def context_length(max_positions: int, rope: dict) -> int:
+    """The longest sequence a model serves: its max_position_embeddings, stretched by a rope
+    scaling made to extend it (dynamic and yarn, as vLLM counts them)."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "dynamic":
+        return int(max_positions * rope["factor"])
+    if kind == "yarn":
+        original = rope.get("original_max_position_embeddings") or max_positions
+        return max(max_positions, int(original * rope["factor"]))
+    return max_positions

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 WINDOW = 8  # shorter than the test prompts plus their answers
+ORIGINAL = 48  # the original context of the stretched-rope families: the prompts fit in it
 
 # family -> (transformers config class, its quirks)
 FAMILIES: dict[str, tuple[str, dict]] = {
@@ -16,6 +17,20 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16)),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    # Scalings that stretch the context: past ORIGINAL tokens the prompts' answers cross it.
+    "llama-dynamic": ("LlamaConfig", dict(max_position_embeddings=ORIGINAL, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "qwen2-yarn": ("Qwen2Config", dict(max_position_embeddings=4 * ORIGINAL, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0,
+        original_max_position_embeddings=ORIGINAL))),
+    # Hugging Face's Phi-3 recomputes a sequence's whole cache with the long factors when it
+    # crosses the original context (surge rotates only the positions past it by them): here
+    # the sequences stay inside it; tests/test_rotary_scalings.py checks the long factors.
+    "phi3-longrope": ("Phi3Config", dict(
+        pad_token_id=0, max_position_embeddings=512, original_max_position_embeddings=128,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                             short_factor=[1.0 + i / 8 for i in range(8)],
+                             long_factor=[1.0 + i for i in range(8)]))),
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=WINDOW,
