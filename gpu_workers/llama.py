@@ -41,6 +41,12 @@ class LlamaConfig(Struct, kw_only=True):
     window_layers: list[bool] = msgspec.field(default_factory=list)  # per layer; empty: none
     local_rope_theta: float = 0.0  # Gemma 3: the windowed layers' rotary base (0: one rope)
 
+    @property
+    def reach(self) -> int:
+        """How far back every layer attends, in tokens (0: some layer sees the whole context):
+        KV blocks further back than that can be given back."""
+        return self.sliding_window if self.window_layers and all(self.window_layers) else 0
+
 
 class AttentionMetadata(Struct, kw_only=True):
     """Where each token's K/V goes and what it attends to. Decode tokens (one per sequence) come

@@ -181,8 +181,11 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "
                    f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
+    # Blocks the window has passed in every layer are given back by the scheduler; not with a
+    # draft model of its own, whose attention sees the whole context.
+    window = 0 if own_cache else model.cfg.reach
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
-                               description=description, kernels=str(ops))
+                               description=description, kernels=str(ops), window=window)
 
 
 def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,

@@ -25,10 +25,16 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
+                 window: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_cache = prefix_cache
+        # How far back every layer's attention looks, in tokens (0: some layer sees it all).
+        self.window = window
+        # What a given-back entry of a block table points to: the worker's scratch block, one
+        # past ours, which attention may read but masks.
+        self.null_block = num_blocks
         self.ref_count = [0] * num_blocks
         self.unnamed: deque[int] = deque(range(num_blocks))  # free, contents meaningless
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but named, LRU first
@@ -143,12 +149,31 @@ class BlockManager:
             self._release(block)
         del seq.block_table[keep:]
 
+    def release_outside_window(self, seq: Sequence, margin: int = 0) -> None:
+        """Give back the blocks at the head of seq that no query of it can see from now on, a
+        sliding window having passed them in every layer. margin: tokens counted as computed
+        that may yet be taken back (rejected proposals)."""
+        if not self.window:
+            return
+        # The next query sits at num_computed_tokens - margin at the earliest, and sees the
+        # window - 1 keys before it.
+        first_seen = seq.num_computed_tokens - margin - self.window + 1
+        gone = max(0, first_seen) // self.block_size
+        if self.prefix_cache:  # named before they go, so they stay cached for others
+            gone = min(gone, len(seq.block_hashes))
+        for i in range(seq.released_blocks, gone):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = self.null_block
+        seq.released_blocks = max(seq.released_blocks, gone)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; a block nobody holds stays cached if it is named."""
-        for block in reversed(seq.block_table):  # the tail is evicted before the shared head
+        # The tail is evicted before the shared head.
+        for block in reversed(seq.block_table[seq.released_blocks:]):
             self._release(block)
         seq.block_table = []
         seq.block_hashes = []
+        seq.released_blocks = 0
 
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1

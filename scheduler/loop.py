@@ -174,7 +174,7 @@ class SchedulerLoop:
         self.kernels = readies[0].kernels
         self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
                                    speculative=self.cfg.speculative,
-                                   overload=self.cfg.overload)
+                                   overload=self.cfg.overload, window=readies[0].window)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
                             description=readies[0].description)
         self.outputs.send(encode(ready))

@@ -46,11 +46,13 @@ class Scheduler(Intake):
                  clock: Callable[[], float] = time.time,
                  speculative: SpeculativeConfig | None = None,
                  staging_words: int = STAGING_WORDS,
-                 overload: OverloadConfig | None = None) -> None:
+                 overload: OverloadConfig | None = None, window: int = 0) -> None:
+        """window: how far back every layer of the model attends (0: some layer sees all)."""
         self.cfg = cfg
         self.staging_words = staging_words  # the most a step's inputs may take on the worker
         self.clock = clock  # a fake one in the simulation tests
-        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache,
+                                   window=window)
         self.admission = Admission(cfg, tenants or {}, overload or OverloadConfig(), clock())
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
@@ -414,6 +416,8 @@ class Scheduler(Intake):
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
+                # Proposals of this step and of one planned after it may yet be rejected.
+                self.blocks.release_outside_window(seq, 2 * self.spec.cfg.num_speculative_tokens)
             logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
             outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
         self.quarantine.served(plan, self.seqs)

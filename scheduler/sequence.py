@@ -29,6 +29,8 @@ class Sequence:
         self.num_pending = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache names of the full blocks, in order
+        # Leading entries of block_table given back: no attention window reaches them anymore.
+        self.released_blocks = 0
         self.sampling = sampling
         self.seed = seed
         self.arrival_time = arrival_time

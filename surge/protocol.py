@@ -207,6 +207,7 @@ class WorkerReady(Struct, tag=True, kw_only=True):
     description: str
     kernels: str = ""  # the kernel backend and why (kernels.for_device)
     generation: int = 0  # of workers: each replacement of the group is the next one
+    window: int = 0  # how far back every layer attends, in tokens (0: some layer sees all)
 
 
 class SeqResult(Struct, array_like=True):

@@ -7,6 +7,7 @@ from collections import deque
 
 import torch
 
+from gpu_workers.draft import shares_layers
 from gpu_workers.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
 from surge.config import SchedulerConfig, SpeculativeConfig
@@ -21,12 +22,15 @@ class InProcessEngine:
                  speculative: SpeculativeConfig | None = None, draft=None,
                  fixed_order: bool = False, **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
-        self.scheduler = Scheduler(cfg, num_blocks, speculative=speculative)
+        own_cache = draft is not None and not shares_layers(draft, model)
+        self.scheduler = Scheduler(cfg, num_blocks, speculative=speculative,
+                                   window=0 if own_cache else model.cfg.reach)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
                                   model.embed.weight.dtype, graphs_max_batch=graphs_max_batch,
                                   draft=draft, fixed_order=fixed_order)
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
+        self.peak_blocks = 0  # the most KV blocks held at once
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *,
             temperature: float = 0.0, seed: int | None = None,
@@ -41,6 +45,8 @@ class InProcessEngine:
         names = {s.seq_id: s.request_id for s in self.scheduler.seqs.values()}
         started = time.perf_counter()
         result = self.runner.run(plan)
+        blocks = self.scheduler.blocks
+        self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - blocks.num_free)
         decoding = [names[s.seq_id] for s in plan.seqs if len(s.token_ids) == 1]
         self.step_times.append((time.perf_counter() - started, decoding))
         return result

@@ -21,8 +21,10 @@ def check_blocks(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
     seqs = list(seqs)
     holders: dict[int, int] = {}
     for seq in seqs:
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for b in seq.block_table:
+        live = seq.block_table[seq.released_blocks:]
+        assert seq.block_table[: seq.released_blocks] == [bm.null_block] * seq.released_blocks
+        assert len(set(live)) == len(live) and bm.null_block not in live
+        for b in live:
             holders[b] = holders.get(b, 0) + 1
     free = list(bm.unnamed) + list(bm.evictable)
     assert len(set(free)) == len(free), "a block is free twice"
@@ -166,3 +168,44 @@ def test_allocate_and_free_keep_counts_and_free_lists_consistent(prompts, ops, n
     for seq in seqs:
         bm.free(seq)
     assert bm.num_free == num_blocks
+
+
+@settings(max_examples=300, deadline=None)
+@given(window=st.integers(1, 20), block_size=st.sampled_from([1, 4, 16]),
+       prefix_cache=st.booleans(), margin=st.integers(0, 8),
+       grow=st.lists(st.integers(1, 9), min_size=1, max_size=30))
+def test_blocks_a_window_has_passed_are_given_back_and_the_rest_kept(
+        window, block_size, prefix_cache, margin, grow):
+    """Every block holding a position the next query may see (from num_computed - margin -
+    window + 1 on) stays; the ones before go back, named ones to the prefix cache; a sequence
+    holds about window + margin tokens of blocks however long it grows."""
+    bm = BlockManager(64, block_size, prefix_cache, window=window)
+    seq = _seq(0, [1, 2, 3])
+    for n in grow:
+        seq.token_ids += [7] * n
+        assert bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.name_full_blocks(seq)
+        bm.release_outside_window(seq, margin)
+        first_seen = max(0, seq.num_computed_tokens - margin - window + 1)
+        gone = first_seen // block_size
+        assert seq.released_blocks == gone
+        assert all(b != bm.null_block for b in seq.block_table[gone:])
+        check_blocks(bm, [seq])
+        live = len(seq.block_table) - gone
+        assert live <= bm.blocks_for(window + margin) + 1
+    if prefix_cache and len(seq.block_table) <= 64:  # nothing evicted yet: what went back is
+        # still there for a sequence with the same start
+        assert len(bm.lookup(seq.token_ids)) == (seq.num_tokens - 1) // block_size
+    bm.free(seq)
+    check_blocks(bm, [seq])
+    assert bm.num_free == 64
+
+
+def test_without_a_window_nothing_is_given_back():
+    bm = BlockManager(8, 4)
+    seq = _seq(0, list(range(20)))
+    assert bm.allocate(seq, 20)
+    seq.num_computed_tokens = 20
+    bm.release_outside_window(seq)
+    assert bm.null_block not in seq.block_table and bm.num_free == 3

@@ -114,3 +114,31 @@ def test_logprobs_match_transformers(family):
     ours = model.logits(model(torch.tensor(ids), torch.arange(n), meta, cache))
     want = hf(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(ours.log_softmax(-1), want.log_softmax(-1), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_window_gives_back_the_blocks_it_has_passed(tmp_path, prefix_cache):
+    """Mistral (every layer windowed): a long answer holds about a window's worth of blocks,
+    not its whole length, and still gives transformers' tokens; Llama holds them all."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_workers.loader import load_model
+    from surge.model_files import resolve_model
+
+    ids, n = _prompts()["p13"], 96
+    peaks = {}
+    for family in ("mistral", "llama3"):
+        folder = str(tmp_path / family)
+        save_tiny(folder, family)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        model = load_model(resolve_model(folder), torch.device("cpu"), torch.float32)
+        engine = InProcessEngine(model, block_size=4, prefix_cache=prefix_cache)
+        engine.add("long", ids, n)
+        assert engine.run()["long"] == expected, family
+        peaks[family] = engine.peak_blocks
+    # Every token but the last one sampled has K/V: 108, in 27 blocks.
+    assert peaks["llama3"] == -(-(len(ids) + n - 1) // 4)
+    assert peaks["mistral"] <= 8, peaks  # a window of 8 and the proposals' margin
