@@ -75,9 +75,10 @@ class RedisStore:
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        # No retries inside redis-py: a down server must cost one failed call, not several.
+        # One retry at once: a pooled connection that a restarted Redis dropped is replaced
+        # without counting an outage, and a down server costs two refused connects, no waits.
         self.client = Redis.from_url(url, socket_connect_timeout=timeout_s,
-                                     socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                                     socket_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
         self.down = False
         self.retry_at = 0.0
 
