@@ -27,6 +27,7 @@ serve: $(STAMP)
 # pytest's exit code 5 (nothing collected) counts as a failure.
 test: $(STAMP)
 	@command -v systemd-analyze >/dev/null || { apt-get update -qq && apt-get install -y -qq systemd; }
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code

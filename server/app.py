@@ -25,6 +25,7 @@ from server.openai_types import (
     TokenizeRequest,
 )
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
+from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
 from server.tools import tool_parsers
 from server.translate import Body, RequestTranslator, stop_strings
@@ -39,8 +40,10 @@ _json = msgspec.json.Encoder()
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, engine: EngineClient, model_name: str,
-                 max_model_len: int, cfg: ServerConfig, root: str) -> None:
+                 max_model_len: int, cfg: ServerConfig, root: str,
+                 cache: ResultCache | None = None) -> None:
         self.cfg = cfg
+        self.cache = cache
         self.root = root  # the model's path, shown by /v1/models as vLLM does
         self.tokenizer = tokenizer
         self.engine = engine
@@ -105,11 +108,12 @@ class Frontend:
                        logprobs: int | None) -> web.StreamResponse:
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs,
-                                          request["tenant"])
-        # A degraded request is never silently so (see scheduler/overload.py).
-        headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {})}
         n = len(prompts) * body.n
+        pieces, degraded, cached = await self._cached_or_run(
+            request, body, kind, rid, prompts, max_tokens, logprobs, n)
+        # A degraded request is never silently so (see scheduler/overload.py).
+        headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {}),
+                   **({"X-Surge-Cache": cached} if cached else {})}
         echo = [""] * n
         if not chat and body.echo:
             echo = [self.tokenizer.hf.decode(prompts[i // body.n]) for i in range(n)]
@@ -174,6 +178,25 @@ class Frontend:
         return self._json({**head, "object": "chat.completion" if chat else "text_completion",
                            "choices": choices, "usage": usage(prompt_tokens, sum(counts))},
                           headers)
+
+    async def _cached_or_run(self, request: web.Request, body: Body, kind: str, rid: str,
+                             prompts: list[list[int]], max_tokens: int | None,
+                             logprobs: int | None, n: int
+                             ) -> tuple[AsyncIterator[Piece], str | None, str | None]:
+        """The answer's pieces from the result cache, or from the engine (then kept for next
+        time if it is deterministic and not degraded); the degradation, and what the cache did
+        (X-Surge-Cache: hit, miss or bypass; None: no cache)."""
+        tenant, cache = request["tenant"], self.cache
+        if cache is None:
+            return *await self.run(body, rid, prompts, max_tokens, logprobs, tenant), None
+        key = cache.key(kind, tenant, body, request.headers)
+        if key and (kept := await cache.get(key)):
+            log.info("request cache hit", extra={"request_id": rid, "tenant": tenant})
+            return replay(kept), None, "hit"
+        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs, tenant)
+        if key and not degraded:
+            pieces = cache.recorded(pieces, key, n)
+        return pieces, degraded, "miss" if key else "bypass"
 
     async def models(self, request: web.Request) -> web.Response:
         return self._json({"object": "list", "data": [{

@@ -12,10 +12,17 @@ from aiohttp import web
 
 from server.app import Frontend, build_app
 from server.engine_client import EngineClient
+from server.result_cache import ResultCache, model_scope
 from server.tokenizer import Tokenizer
 from surge.config import SurgeConfig
 from surge.grammar import write_tokenizer
-from surge.model_files import max_model_len, resolve_model, served_name, tokenizer_files
+from surge.model_files import (
+    max_model_len,
+    resolve_model,
+    served_name,
+    tokenizer_files,
+    weights_fingerprint,
+)
 from surge.process import child_setup
 from surge.runtime import Channels
 
@@ -33,9 +40,11 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,
                             "the scheduler stopped unexpectedly; retry the request")
-    frontend = Frontend(tokenizer, engine, served_name(cfg.model.served_model_name,
-                                                       cfg.model.model),
-                        max_model_len(files), cfg.server, root=files.path)
+    name = served_name(cfg.model.served_model_name, cfg.model.model)
+    cache = ResultCache.of(cfg.cache, model_scope(name, weights_fingerprint(files), cfg.model),
+                           tokenizer.sampling_defaults)
+    frontend = Frontend(tokenizer, engine, name, max_model_len(files), cfg.server,
+                        root=files.path, cache=cache)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
     runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0,

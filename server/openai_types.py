@@ -89,6 +89,8 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # false: the result cache (server/result_cache.py) neither answers nor keeps this request.
+    cache: bool = True
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -321,6 +321,36 @@ class OverloadConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 3
 
 
+class ResultCacheConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The frontend's exact-match result cache (server/result_cache.py)."""
+
+    result_cache: Annotated[
+        str, Meta(pattern=r"^(off|memory|rediss?://.+)$",
+                  description="answer repeated deterministic requests (temperature 0 or a "
+                  "seed) from a cache: off, memory (this process, LRU by bytes, TTL) or "
+                  "redis://HOST:PORT/DB (shared by several surge instances, TTL)")
+    ] = "off"
+    result_cache_max_bytes: Annotated[
+        int, Meta(ge=0, description="the memory backend's bound: least recently used entries "
+                  "go first past it")
+    ] = 256 * 2**20
+    result_cache_ttl_s: Annotated[
+        float, Meta(gt=0, description="how long an entry answers (both backends)")
+    ] = 3600.0
+    result_cache_shared: Annotated[
+        bool, Meta(description="share entries between tenants (by default each tenant sees "
+                   "only the answers computed for it)")
+    ] = False
+    result_cache_timeout_s: Annotated[
+        float, Meta(gt=0, description="longest a Redis call may take before the request goes "
+                    "to the engine instead")
+    ] = 0.25
+    result_cache_retry_s: Annotated[
+        float, Meta(gt=0, description="after a Redis error, requests go straight to the "
+                    "engine for this long before Redis is tried again")
+    ] = 2.0
+
+
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_restarts: Annotated[
         int, Meta(ge=0, description="worker restarts allowed within a minute before surge "
@@ -335,6 +365,7 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
+    cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}

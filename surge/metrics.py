@@ -52,6 +52,16 @@ open_connections = Gauge("surge_open_connections", "client connections open",
                          multiprocess_mode="livemax")
 refused_connections = Counter("surge_refused_connections", "client connections refused over "
                               "max_connections")
+result_cache_hits = Counter("surge_result_cache_hits", "requests answered from the result cache")
+result_cache_misses = Counter("surge_result_cache_misses", "cacheable requests the result cache "
+                              "did not hold (computed by the engine)")
+result_cache_bytes = Gauge("surge_result_cache_bytes", "bytes the memory result cache holds",
+                           multiprocess_mode="livemax")
+result_cache_stored_bytes = Counter("surge_result_cache_stored_bytes", "bytes of answers "
+                                    "written to the result cache (either backend)")
+result_cache_errors = Counter("surge_result_cache_errors", "result cache backend calls that "
+                              "failed (Redis down, slow or refusing), by operation",
+                              ["operation"])
 
 # scheduler
 generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "

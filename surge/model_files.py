@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import struct
 from typing import Any
 
 from msgspec import Struct
@@ -160,3 +162,42 @@ def context_length(max_positions: int, rope: dict) -> int:
         original = rope.get("original_max_position_embeddings") or max_positions
         return max(max_positions, int(original * rope["factor"]))
     return max_positions
+
+
+# Evenly spaced samples of the tensor data: a fine-tune keeps the header and the size.
+_SAMPLES, _SAMPLE_BYTES = 16, 64 * 1024
+
+
+def weights_fingerprint(files: ModelFiles) -> str:
+    """A digest of the weights, in milliseconds: each file's header and tensor table, its size
+    and samples of its data (a folder's *.json files whole: config, chat template)."""
+    digest = hashlib.sha256()
+    if files.gguf_file:
+        paths = [files.path]
+    else:
+        paths = sorted(glob.glob(os.path.join(files.folder, "*.json")) +
+                       glob.glob(os.path.join(files.folder, "*.safetensors")))
+    for path in paths:
+        size = os.path.getsize(path)
+        digest.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            if path.endswith(".json"):
+                digest.update(f.read())
+                continue
+            digest.update(f.read(_header_bytes(path, f)))
+            for i in range(_SAMPLES):
+                f.seek(size * i // _SAMPLES)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _header_bytes(path: str, f: Any) -> int:
+    """How long the part before the tensor data is (for safetensors, less its 8-byte length)."""
+    if path.endswith(".safetensors"):
+        (length,) = struct.unpack("<Q", f.read(8))
+        return length
+    try:  # every array is skipped: only the tensor table's offsets matter here
+        tensors = read_header(path, skip=("",)).tensors
+    except GGUFHeaderError:
+        return 2**24  # a file this reader cannot parse: its first 16 MiB stand in
+    return min((t.offset for t in tensors), default=0)

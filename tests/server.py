@@ -57,6 +57,15 @@ class ServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, json.load(e)
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics (0 if absent); /metrics must be open to this client."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == name and s.labels == labels)
+
     def output(self) -> str:
         self.log.flush()
         with open(self.log.name) as f:
