@@ -51,6 +51,7 @@ class Frontend:
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
         self.sockets = OpenSockets()
+        self.batch_stats: Callable[[], dict] | None = None  # set when the Batch API is on
         self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
                                            cfg.header_timeout_s)
         metrics.frontend_series(model_name)
@@ -66,12 +67,13 @@ class Frontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), CompletionRequest)
-        return await self._respond(request, body, "completion",
-                                   *await self.translator.prepare(body))
+        return await self.respond(body, "completion", request["tenant"], request,
+                                  *await self.translator.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), ChatCompletionRequest)
-        return await self._respond(request, body, "chat", *await self.translator.prepare(body))
+        return await self.respond(body, "chat", request["tenant"], request,
+                                  *await self.translator.prepare(body))
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, logprobs: int | None, tenant: str
@@ -100,13 +102,14 @@ class Frontend:
                        self.translator.model_name, len(streams),
                        breaker.finished if probe else None), degraded
 
-    async def _respond(self, request: web.Request, body: Body, kind: str,
-                       prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None) -> web.StreamResponse:
+    async def respond(self, body: Body, kind: str, tenant: str, request: web.Request | None,
+                      prompts: list[list[int]], max_tokens: int | None,
+                      logprobs: int | None) -> web.StreamResponse:
+        """The endpoint's answer to a prepared body; without a request (a batch line) the body
+        must not stream."""
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs,
-                                          request["tenant"])
+        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs, tenant)
         # A degraded request is never silently so (see scheduler/overload.py).
         headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {})}
         n = len(prompts) * body.n
@@ -142,6 +145,7 @@ class Frontend:
 
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
+            assert request is not None, "a streamed answer needs its request"
             first = [Piece(i, echo[i], 0) for i in range(n) if echo[i]]
             opening = [{**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
@@ -199,7 +203,10 @@ class Frontend:
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
         stats = self.engine.stats
-        return self._json({} if stats is None else msgspec.to_builtins(stats))
+        out = {} if stats is None else msgspec.to_builtins(stats)
+        if self.batch_stats is not None:
+            out["batches"] = self.batch_stats()
+        return self._json(out)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body, content_type = metrics.exposition(self.cfg.metrics_compat)

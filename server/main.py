@@ -11,8 +11,12 @@ import uvloop
 from aiohttp import web
 
 from server.app import Frontend, build_app
+from server.batch_api import BatchApi
+from server.batch_runner import BatchRunner
+from server.batch_store import BatchStore, default_state_dir
 from server.engine_client import EngineClient
 from server.tokenizer import Tokenizer
+from server.webhooks import Webhooks
 from surge.config import SurgeConfig
 from surge.grammar import write_tokenizer
 from surge.model_files import max_model_len, resolve_model, served_name, tokenizer_files
@@ -36,8 +40,15 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     frontend = Frontend(tokenizer, engine, served_name(cfg.model.served_model_name,
                                                        cfg.model.model),
                         max_model_len(files), cfg.server, root=files.path)
+    store = BatchStore(cfg.batch.state_dir or default_state_dir())
+    webhooks = Webhooks(store, cfg.tenants, cfg.batch)
+    batches = BatchRunner(store, frontend, webhooks, cfg.batch)
+    frontend.batch_stats = batches.stats
+    app = build_app(frontend)
+    BatchApi(store, batches, webhooks, frontend, cfg.batch).add_routes(app)
+    background: list[asyncio.Task] = []
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
-    runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
+    runner = web.AppRunner(app, handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0,
                            keepalive_timeout=cfg.server.keepalive_timeout_s)
     await runner.setup()
@@ -54,13 +65,20 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         if ready_wait.done():
             status.put(("frontend", f"serving {frontend.translator.model_name!r} on "
                                     f"http://{cfg.server.host}:{cfg.server.port}"))
+            log.info("batch state in %s", store.root)
+            background += [asyncio.create_task(batches.run()),
+                           asyncio.create_task(webhooks.run())]
             await stop_wait
             await _drain(frontend, cfg.server.drain_timeout_s)
         else:
             ready_wait.cancel()
     finally:
         listener.close()  # no new connections; runner.cleanup() ends the open ones
+        for task in background:  # lines in flight stay pending: they run after a restart
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await runner.cleanup()
+        store.close()
         engine.close()
 
 

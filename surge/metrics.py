@@ -52,6 +52,12 @@ open_connections = Gauge("surge_open_connections", "client connections open",
                          multiprocess_mode="livemax")
 refused_connections = Counter("surge_refused_connections", "client connections refused over "
                               "max_connections")
+batches = Gauge("surge_batches", "Batch API batches by state", ["state"],
+                multiprocess_mode="livemax")
+batch_lines = Counter("surge_batch_lines", "batch lines answered, by outcome: done (in the "
+                      "output file) or failed (in the error file)", ["outcome"])
+webhook_deliveries = Counter("surge_webhook_deliveries", "webhook delivery attempts, by "
+                             "result: delivered, retry, given_up", ["result"])
 
 # scheduler
 generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "
