@@ -20,9 +20,20 @@ import time
 
 import openai
 
-from bench.sla_bench import _probes
-from surge.loadgen import Result, percentiles
+from surge.loadgen import Result, client_session, percentiles, send
 from tests.server import ServerProcess
+
+_PROBE = {"prompt": "The three largest cities of France are", "max_tokens": 8,
+          "ignore_eos": True, "temperature": 0}
+
+
+async def _probes(url: str, count: int, gap_s: float) -> list[Result]:
+    async with client_session(None) as session:
+        results = []
+        for _ in range(count):
+            results.append(await send(session, url, _PROBE))
+            await asyncio.sleep(gap_s)
+    return results
 
 
 def _batch_file(lines: int) -> bytes:
@@ -35,7 +46,7 @@ def _batch_file(lines: int) -> bytes:
 async def _during(url: str, client: openai.OpenAI, batch_id: str, probes: int,
                   gap_s: float) -> tuple[list[Result], bool]:
     """The probes while the batch runs; and whether it was still running after the last."""
-    results = await _probes(url, "none", probes, gap_s)
+    results = await _probes(url, probes, gap_s)
     status = await asyncio.to_thread(lambda: client.batches.retrieve(batch_id).status)
     return results, status == "in_progress"
 
@@ -46,8 +57,8 @@ def measure(opts: argparse.Namespace, extra: list[str]) -> dict:
                            dtype=opts.dtype, kv_cache_memory="2GiB").wait_ready()
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-        asyncio.run(_probes(server.url, "none", 3, 0))  # warm up
-        idle = asyncio.run(_probes(server.url, "none", opts.probes, opts.gap))
+        asyncio.run(_probes(server.url, 3, 0))  # warm up
+        idle = asyncio.run(_probes(server.url, opts.probes, opts.gap))
         upload = client.files.create(file=("bench.jsonl", _batch_file(opts.lines)),
                                      purpose="batch")
         started = time.monotonic()

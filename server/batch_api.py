@@ -184,11 +184,11 @@ class BatchApi:
         if batch["status"] in TERMINAL:
             raise ApiError(409, f"batch {batch['id']} has already ended ({batch['status']})",
                            param="batch_id")
-        if batch["status"] != "cancelling":
-            batch = {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
-            self.store.save(batch)
-            self.runner.wake.set()
-        return _json(batch)
+        # Once finalizing, the answers are all in: the batch completes.
+        cancelled = self.store.update(batch["id"], ("validating", "in_progress"),
+                                      status="cancelling", cancelling_at=int(time.time()))
+        self.runner.wake.set()
+        return _json(cancelled or batch)
 
 
 def _check_jsonl(path: Path) -> None:

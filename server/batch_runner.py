@@ -106,11 +106,11 @@ class BatchRunner:
         assert batch is not None
         if batch["status"] == "validating":
             batch = await self._validate(batch)
-        if batch["status"] == "in_progress":
+        if batch is not None and batch["status"] == "in_progress":
             await self._feed(batch)
-            batch = {**batch, "status": "finalizing", "finalizing_at": int(time.time())}
-            self.store.save(batch)
-        if batch["status"] == "finalizing":
+            batch = self.store.update(batch_id, ("in_progress",), status="finalizing",
+                                      finalizing_at=int(time.time()))
+        if batch is not None and batch["status"] == "finalizing":
             await self._finish(batch, "completed")
 
     async def _stop(self, batch_id: str, task: asyncio.Task | None, end: str) -> None:
@@ -125,7 +125,9 @@ class BatchRunner:
             log.info("batch %s %s", batch_id, end, extra={"batch_id": batch_id})
             await self._finish(batch, end)
 
-    async def _validate(self, batch: dict) -> dict:
+    async def _validate(self, batch: dict) -> dict | None:
+        """Read the input file into lines; the batch in progress (or failed), None if it was
+        cancelled meanwhile."""
         path = self.store.path(batch["input_file_id"])
         try:
             rows = await asyncio.to_thread(read_lines, path, batch["id"], batch["endpoint"],
@@ -134,22 +136,24 @@ class BatchRunner:
                 raise ValueError("the input file has no lines")
         except (OSError, ValueError) as e:
             message = "the input file is gone" if isinstance(e, FileNotFoundError) else str(e)
-            batch = {**batch, "status": "failed", "failed_at": int(time.time()),
-                     "errors": {"object": "list", "data": [
-                         {"code": "invalid_file", "message": message, "param": "input_file_id",
-                          "line": None}]}}
-            self.store.save(batch, self.webhooks.events(self.store.owner(batch["id"]), batch))
+            tenant = self.store.owner(batch["id"])
+            errors = {"object": "list", "data": [{"code": "invalid_file", "message": message,
+                                                  "param": "input_file_id", "line": None}]}
+            failed = self.store.update(batch["id"], ("validating",),
+                                       lambda b: self.webhooks.events(tenant, b),
+                                       status="failed", failed_at=int(time.time()),
+                                       errors=errors)
             self.webhooks.wake.set()
             log.info("batch %s failed: %s", batch["id"], message,
                      extra={"batch_id": batch["id"]})
-            return batch
+            return failed
         self.store.add_lines(batch["id"], rows)
-        batch = {**batch, "status": "in_progress", "in_progress_at": int(time.time()),
-                 "request_counts": self._counts(batch["id"])}
-        self.store.save(batch)
+        started = self.store.update(batch["id"], ("validating",), status="in_progress",
+                                    in_progress_at=int(time.time()),
+                                    request_counts=self._counts(batch["id"]))
         log.info("batch %s in progress: %d lines", batch["id"], len(rows),
                  extra={"batch_id": batch["id"]})
-        return batch
+        return started
 
     async def _feed(self, batch: dict) -> None:
         """Run the pending lines, at most batch_max_in_flight at a time over all batches;
@@ -176,8 +180,8 @@ class BatchRunner:
                     in_flight[line] = task
                     task.add_done_callback(lambda _, n=line: (in_flight.pop(n, None),
                                                               self.slots.release()))
-                batch = {**batch, "request_counts": self._counts(batch_id)}
-                self.store.save(batch)
+                self.store.update(batch_id, ("in_progress",),
+                                  request_counts=self._counts(batch_id))
         finally:
             for task in in_flight.values():
                 task.cancel()
@@ -240,11 +244,11 @@ class BatchRunner:
             self.store.add_file(tenant, file_id, "batch_output",
                                 f"{batch_id}_{kind}.jsonl", size)
             ids[f"{kind}_file_id"] = file_id
-        now = int(time.time())
-        batch = {**batch, **ids, "status": end, f"{end}_at": now,
-                 "request_counts": {"total": len(output) + len(errors),
-                                    "completed": len(output), "failed": len(errors)}}
-        self.store.save(batch, self.webhooks.events(tenant, batch))
+        counts = {"total": len(output) + len(errors), "completed": len(output),
+                  "failed": len(errors)}
+        self.store.update(batch_id, ACTIVE, lambda b: self.webhooks.events(tenant, b),
+                          **ids, status=end, request_counts=counts,
+                          **{f"{end}_at": int(time.time())})
         self.webhooks.wake.set()
         log.info("batch %s %s: %d done, %d failed", batch_id, end, len(output), len(errors),
                  extra={"batch_id": batch_id, "tenant": tenant})

@@ -7,7 +7,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -91,16 +91,27 @@ class BatchStore:
         self.db.execute("INSERT INTO batches (id, tenant, status, data) VALUES (?, ?, ?, ?)",
                         (batch["id"], tenant, batch["status"], json.dumps(batch)))
 
-    def save(self, batch: dict, events: list[tuple[str, str, str, str]] = ()) -> None:
-        """Write a batch's new state, and queue its webhook events (event id, url, tenant,
-        payload) in the same transaction, so an event exists exactly when its state does."""
-        ended = time.time() if batch["status"] in TERMINAL else None
+    def update(self, batch_id: str, expect: tuple[str, ...],
+               events: Callable[[dict], list[tuple[str, str, str, str]]] | None = None,
+               **fields: object) -> dict | None:
+        """Change a batch's fields if its status is one of `expect` (else None: it moved on,
+        e.g. was cancelled), and queue the webhook events (event id, url, tenant, payload) of
+        its new state in the same transaction, so an event exists exactly when its state does."""
         with self.db:
-            self.db.execute("BEGIN")
+            self.db.execute("BEGIN IMMEDIATE")
+            row = self.db.execute("SELECT data FROM batches WHERE id = ?",
+                                  (batch_id,)).fetchone()
+            batch = json.loads(row[0])
+            if batch["status"] not in expect:
+                return None
+            batch.update(fields)
+            ended = time.time() if batch["status"] in TERMINAL else None
             self.db.execute("UPDATE batches SET status = ?, ended_at = ?, data = ? WHERE id = ?",
-                            (batch["status"], ended, json.dumps(batch), batch["id"]))
+                            (batch["status"], ended, json.dumps(batch), batch_id))
             self.db.executemany("INSERT OR IGNORE INTO outbox (event_id, url, tenant, payload,"
-                                " next_at, state) VALUES (?, ?, ?, ?, 0, 'pending')", events)
+                                " next_at, state) VALUES (?, ?, ?, ?, 0, 'pending')",
+                                events(batch) if events else [])
+        return batch
 
     def batch(self, tenant: str | None, batch_id: str) -> dict | None:
         row = self.db.execute("SELECT data, tenant FROM batches WHERE id = ?",
