@@ -105,7 +105,10 @@ class BatchApi:
         return found
 
     async def list_files(self, request: web.Request) -> web.Response:
-        data = self.store.files(request["tenant"])
+        _check_query(request, {"purpose"})
+        purpose = request.query.get("purpose")
+        data = [f for f in self.store.files(request["tenant"])
+                if purpose is None or f["purpose"] == purpose]
         return _json({"object": "list", "data": data, "has_more": False,
                       "first_id": data[0]["id"] if data else None,
                       "last_id": data[-1]["id"] if data else None})
@@ -170,6 +173,7 @@ class BatchApi:
         return _json(self._batch(request))
 
     async def list_batches(self, request: web.Request) -> web.Response:
+        _check_query(request, {"limit", "after"})
         raw = request.query.get("limit", "20")
         if not raw.isdigit() or not 1 <= int(raw) <= 100:
             raise ApiError(400, "limit must be an integer from 1 to 100", param="limit")
@@ -210,6 +214,12 @@ def _check_jsonl(path: Path) -> None:
     if not found:
         raise ApiError(400, "the file holds no JSON object lines; a batch file is JSONL, one "
                             "request per line", param="file")
+
+
+def _check_query(request: web.Request, known: set[str]) -> None:
+    if unknown := sorted(set(request.query) - known):
+        raise ApiError(400, f"unknown query parameter(s) {', '.join(unknown)}; this list takes "
+                            f"{', '.join(sorted(known))}", param=unknown[0])
 
 
 def _json(payload: dict) -> web.Response:

@@ -209,6 +209,11 @@ def test_list_pages_and_stats(server, env):
     seen = [b.id for b in c.batches.list(limit=1)]  # the client follows the pages
     assert len(seen) == len(set(seen)) >= 4
     assert seen == [b.id for b in c.batches.list(limit=100)]
+    files = [f.purpose for f in c.files.list()]
+    assert "batch" in files and "batch_output" in files
+    assert {f.purpose for f in c.files.list(purpose="batch_output")} == {"batch_output"}
+    with pytest.raises(openai.BadRequestError, match="order"):
+        c.files.list(order="asc")
     request = urllib.request.Request(f"{server.url}/stats", headers={
         "Authorization": f"Bearer {env['keys']['admin']}"})
     with urllib.request.urlopen(request) as r:
