@@ -195,6 +195,16 @@ class BatchApi:
         return _json(cancelled or batch)
 
 
+def add_off_routes(app: web.Application, why: str) -> None:
+    """Without its state directory the Batch API answers every call with why."""
+    async def off(request: web.Request) -> web.Response:
+        raise ApiError(503, f"the Batch API is off on this server: {why}")
+
+    for path in ("/v1/files", "/v1/batches"):
+        app.router.add_route("*", path, off)
+        app.router.add_route("*", path + "/{tail:.*}", off)
+
+
 def _check_jsonl(path: Path) -> None:
     """Refuse an upload that is not JSON lines at all: not UTF-8 text, or no line a JSON
     object. Single bad lines pass: they go to the batch's error file."""

@@ -3,6 +3,7 @@ webhook outbox in one SQLite database (WAL) under the state directory."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -39,6 +40,10 @@ def default_state_dir() -> str:
     return os.path.join(base, "surge")
 
 
+class StateDirBusy(Exception):
+    """Another server holds the state directory (two runners would run the same batches)."""
+
+
 class BatchStore:
     """One connection, used from the frontend's event loop only. synchronous=NORMAL: a commit
     survives the process being killed (the WAL is in the OS's cache), not a power loss, and
@@ -48,6 +53,13 @@ class BatchStore:
         self.root = Path(state_dir)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = open(self.root / "lock", "w")  # noqa: SIM115 (held while serving)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.close()
+            raise StateDirBusy(f"the state directory {state_dir} is in use by another surge "
+                               "server; give this one its own --state-dir") from None
         self.db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -56,6 +68,7 @@ class BatchStore:
 
     def close(self) -> None:
         self.db.close()
+        self.lock.close()
 
     def path(self, file_id: str) -> Path:
         return self.files_dir / file_id

@@ -47,6 +47,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="surge-test-", suffix=".log")
+        if "--state-dir" not in args:  # its own: servers running at once share none
+            self.state = tempfile.TemporaryDirectory(prefix="surge-state-")
+            args = ("--state-dir", self.state.name, *args)
         cmd = [sys.executable, "-m", "surge.cli", "serve", "--port", str(self.port),
                "--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from server.batch_lines import read_lines
-from server.batch_store import BatchStore
+from server.batch_store import BatchStore, StateDirBusy
 
 CHAT = "/v1/chat/completions"
 
@@ -80,3 +80,11 @@ def test_bad_lines_each_get_a_reason(tmp_path):
     assert [r[0] for r in rows][-1] == 10  # numbered as in the file, blank lines too
     with pytest.raises(ValueError, match="more than 3 lines"):
         read_lines(path, "batch_1", CHAT, 3)
+
+
+def test_one_server_per_state_dir(tmp_path):
+    store = BatchStore(str(tmp_path))
+    with pytest.raises(StateDirBusy, match="--state-dir"):
+        BatchStore(str(tmp_path))
+    store.close()
+    BatchStore(str(tmp_path)).close()  # free again once the holder is gone
