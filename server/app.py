@@ -54,6 +54,7 @@ class Frontend:
         self.draining = False  # SIGTERM: finish what is in flight, take nothing new
         self.in_flight = 0
         self.sockets = OpenSockets()
+        self.batch_stats: Callable[[], dict] | None = None  # set when the Batch API is on
         self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
                                            cfg.header_timeout_s)
         metrics.frontend_series(model_name)
@@ -69,12 +70,13 @@ class Frontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), CompletionRequest)
-        return await self._respond(request, body, "completion",
-                                   *await self.translator.prepare(body))
+        return await self.respond(body, "completion", request["tenant"], request,
+                                  *await self.translator.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), ChatCompletionRequest)
-        return await self._respond(request, body, "chat", *await self.translator.prepare(body))
+        return await self.respond(body, "chat", request["tenant"], request,
+                                  *await self.translator.prepare(body))
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, logprobs: int | None, tenant: str
@@ -103,14 +105,17 @@ class Frontend:
                        self.translator.model_name, len(streams),
                        breaker.finished if probe else None), degraded
 
-    async def _respond(self, request: web.Request, body: Body, kind: str,
-                       prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None) -> web.StreamResponse:
+    async def respond(self, body: Body, kind: str, tenant: str, request: web.Request | None,
+                      prompts: list[list[int]], max_tokens: int | None,
+                      logprobs: int | None) -> web.StreamResponse:
+        """The endpoint's answer to a prepared body; without a request (a batch line) the body
+        must not stream."""
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n = len(prompts) * body.n
         pieces, degraded, cached = await self._cached_or_run(
-            request, body, kind, rid, prompts, max_tokens, logprobs, n)
+            tenant, request.headers if request is not None else {}, body, kind, rid, prompts,
+            max_tokens, logprobs, n)
         # A degraded request is never silently so (see scheduler/overload.py).
         headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {}),
                    **({"X-Surge-Cache": cached} if cached else {})}
@@ -146,6 +151,7 @@ class Frontend:
 
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
+            assert request is not None, "a streamed answer needs its request"
             first = [Piece(i, echo[i], 0) for i in range(n) if echo[i]]
             opening = [{**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
@@ -179,17 +185,17 @@ class Frontend:
                            "choices": choices, "usage": usage(prompt_tokens, sum(counts))},
                           headers)
 
-    async def _cached_or_run(self, request: web.Request, body: Body, kind: str, rid: str,
+    async def _cached_or_run(self, tenant: str, headers: Any, body: Body, kind: str, rid: str,
                              prompts: list[list[int]], max_tokens: int | None,
                              logprobs: int | None, n: int
                              ) -> tuple[AsyncIterator[Piece], str | None, str | None]:
         """The answer's pieces from the result cache, or from the engine (then kept for next
         time if it is deterministic and not degraded); the degradation, and what the cache did
         (X-Surge-Cache: hit, miss or bypass; None: no cache)."""
-        tenant, cache = request["tenant"], self.cache
+        cache = self.cache
         if cache is None:
             return *await self.run(body, rid, prompts, max_tokens, logprobs, tenant), None
-        key = cache.key(kind, tenant, body, request.headers)
+        key = cache.key(kind, tenant, body, headers)
         if key and (kept := await cache.get(key)):
             log.info("request cache hit", extra={"request_id": rid, "tenant": tenant})
             return replay(kept), None, "hit"
@@ -222,7 +228,10 @@ class Frontend:
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
         stats = self.engine.stats
-        return self._json({} if stats is None else msgspec.to_builtins(stats))
+        out = {} if stats is None else msgspec.to_builtins(stats)
+        if self.batch_stats is not None:
+            out["batches"] = self.batch_stats()
+        return self._json(out)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body, content_type = metrics.exposition(self.cfg.metrics_compat)

@@ -17,7 +17,8 @@ access = logging.getLogger("surge.access")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error",
+          409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error",
           503: "service_unavailable"}
 
 

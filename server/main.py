@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sqlite3
 from typing import Any
 
 import uvloop
 from aiohttp import web
 
 from server.app import Frontend, build_app
+from server.batch_api import BatchApi, add_off_routes
+from server.batch_runner import BatchRunner
+from server.batch_store import BatchStore, StateDirBusy, default_state_dir
 from server.engine_client import EngineClient
 from server.result_cache import ResultCache, model_scope
 from server.tokenizer import Tokenizer
+from server.webhooks import Webhooks
 from surge.config import SurgeConfig
 from surge.grammar import write_tokenizer
 from surge.model_files import (
@@ -45,8 +50,21 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
                            tokenizer.sampling_defaults)
     frontend = Frontend(tokenizer, engine, name, max_model_len(files), cfg.server,
                         root=files.path, cache=cache)
+    app = build_app(frontend)
+    background: list[asyncio.Task] = []
+    try:
+        store: BatchStore | None = BatchStore(cfg.batch.state_dir or default_state_dir())
+    except (StateDirBusy, OSError, sqlite3.Error) as e:  # busy, unwritable, not a database
+        log.error("the Batch API is off: %s", e)
+        store = None
+        add_off_routes(app, str(e))
+    if store is not None:
+        webhooks = Webhooks(store, cfg.tenants, cfg.batch)
+        batches = BatchRunner(store, frontend, webhooks, cfg.batch)
+        frontend.batch_stats = batches.stats
+        BatchApi(store, batches, webhooks, frontend, cfg.batch).add_routes(app)
     # Open streams get a few seconds to finish on SIGTERM, inside the supervisor's patience.
-    runner = web.AppRunner(build_app(frontend), handler_cancellation=True,
+    runner = web.AppRunner(app, handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0,
                            keepalive_timeout=cfg.server.keepalive_timeout_s)
     await runner.setup()
@@ -63,13 +81,22 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         if ready_wait.done():
             status.put(("frontend", f"serving {frontend.translator.model_name!r} on "
                                     f"http://{cfg.server.host}:{cfg.server.port}"))
+            if store is not None:
+                log.info("batch state in %s", store.root)
+                background += [asyncio.create_task(batches.run()),
+                               asyncio.create_task(webhooks.run())]
             await stop_wait
             await _drain(frontend, cfg.server.drain_timeout_s)
         else:
             ready_wait.cancel()
     finally:
         listener.close()  # no new connections; runner.cleanup() ends the open ones
+        for task in background:  # lines in flight stay pending: they run after a restart
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await runner.cleanup()
+        if store is not None:
+            store.close()
         engine.close()
 
 

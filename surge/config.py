@@ -275,6 +275,17 @@ class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     degrade_max_tokens: Annotated[
         int, Meta(ge=1, description="max_tokens of new requests while capped")
     ] = 64
+    # Batch webhooks; the frontend reads these at start (a restart or reload applies edits).
+    webhook_urls: Annotated[
+        str, Meta(description="space-separated URLs that receive this tenant's batch events")
+    ] = ""
+    webhook_secret: Annotated[
+        str, Meta(description="Standard Webhooks secret (whsec_<base64>) the events are "
+                  "signed with; without one no event is sent")
+    ] = ""
+    webhook_from_metadata: Annotated[
+        bool, Meta(description="a batch may name one more receiver in metadata.webhook_url")
+    ] = False
 
 
 class OverloadConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -351,6 +362,41 @@ class ResultCacheConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 2.0
 
 
+class BatchConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The Files + Batches API (frontend): where its state lives and how lines are fed."""
+
+    state_dir: Annotated[
+        str | None, Meta(description="files and batch state (SQLite) live here (unset: "
+                         "$STATE_DIRECTORY from systemd, else ~/.local/state/surge)")
+    ] = None
+    batch_priority: Annotated[
+        int, Meta(description="scheduler priority of batch lines (lower is more urgent); "
+                  "above every interactive default, so batches yield")
+    ] = 100
+    batch_max_in_flight: Annotated[
+        int, Meta(ge=1, description="batch lines submitted to the scheduler at once, all "
+                  "batches together")
+    ] = 8
+    batch_max_file_bytes: Annotated[
+        int, Meta(ge=1024, description="largest file upload")
+    ] = 100 * 2**20
+    batch_max_lines: Annotated[int, Meta(ge=1, description="most lines in one batch")] = 50_000
+    batch_retention_s: Annotated[
+        float, Meta(gt=0, description="files, and batches once finished, are removed after "
+                    "this long")
+    ] = 30 * 86400.0
+    webhook_max_attempts: Annotated[
+        int, Meta(ge=1, description="deliveries of one event before it is given up")
+    ] = 12
+    webhook_backoff_s: Annotated[
+        float, Meta(gt=0, description="wait before the first retry of an event; doubles "
+                    "after each failure, up to an hour")
+    ] = 1.0
+    webhook_timeout_s: Annotated[
+        float, Meta(gt=0, description="how long a receiver may take to answer")
+    ] = 10.0
+
+
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_restarts: Annotated[
         int, Meta(ge=0, description="worker restarts allowed within a minute before surge "
@@ -366,6 +412,7 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}

@@ -62,6 +62,12 @@ result_cache_stored_bytes = Counter("surge_result_cache_stored_bytes", "bytes of
 result_cache_errors = Counter("surge_result_cache_errors", "result cache backend calls that "
                               "failed (Redis down, slow or refusing), by operation",
                               ["operation"])
+batches = Gauge("surge_batches", "Batch API batches by state", ["state"],
+                multiprocess_mode="livemax")
+batch_lines = Counter("surge_batch_lines", "batch lines answered, by outcome: done (in the "
+                      "output file) or failed (in the error file)", ["outcome"])
+webhook_deliveries = Counter("surge_webhook_deliveries", "webhook delivery attempts, by "
+                             "result: delivered, retry, given_up", ["result"])
 
 # scheduler
 generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -20,6 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below pid (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, dtype: str = "float32",
                  kv_cache_memory: str = "256MiB") -> None:
@@ -27,6 +47,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="surge-test-", suffix=".log")
+        if "--state-dir" not in args:  # its own: servers running at once share none
+            self.state = tempfile.TemporaryDirectory(prefix="surge-state-")
+            args = ("--state-dir", self.state.name, *args)
         cmd = [sys.executable, "-m", "surge.cli", "serve", "--port", str(self.port),
                "--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -70,6 +93,14 @@ class ServerProcess:
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
+
+    def kill_all(self) -> None:
+        """SIGKILL the supervisor and every process below it at once (a machine crash, as
+        far as surge's own state can tell)."""
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:  # children first: no SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(30)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -77,15 +77,17 @@ def test_flags_refuse_values_outside_their_choices(capsys):
 
 def test_the_example_config_loads_with_its_commented_tables_switched_on(tmp_path):
     """systemd/surge.toml, as shipped and with the commented `key = value` lines of its
-    tenant and overload tables switched on, is a valid configuration."""
+    tenant, overload and batch tables switched on, is a valid configuration."""
     from pathlib import Path
 
     text = (Path(__file__).parent.parent / "systemd" / "surge.toml").read_text()
     keys = ("# [tenants.", "# degrade", "# priority", "# weight", "# max_concurrent",
-            "# tokens_per_min", "# ttft_slo_s", "# max_queue_drain_s")
+            "# tokens_per_min", "# ttft_slo_s", "# max_queue_drain_s", "# webhook_",
+            "# state_dir", "# batch_")
     on = "\n".join(line[2:] if line.startswith(keys) else line for line in text.splitlines())
     for name, body in (("shipped.toml", text), ("on.toml", on)):
         (tmp_path / name).write_text(body)
         cfg = load_config({"config": str(tmp_path / name)}, {})
     assert cfg.tenants["batch"].degrade == "cap-then-refuse"
     assert cfg.overload.ttft_slo_s == 2.0
+    assert cfg.tenants["batch"].webhook_urls and cfg.batch.state_dir == "/var/lib/surge"

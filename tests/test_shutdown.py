@@ -11,26 +11,9 @@ import urllib.request
 
 import pytest
 
-from tests.server import ServerProcess
+from tests.server import ServerProcess, descendants
 
 pytestmark = pytest.mark.slow
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _title(pid: int) -> str:
@@ -70,7 +53,7 @@ def _complete(server: ServerProcess) -> str:
 def test_signal_stops_everything_cleanly(tmp_path, sig):
     shm_before = set(os.listdir("/dev/shm"))
     server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
-    children = _descendants(server.proc.pid)
+    children = descendants(server.proc.pid)
     titles = {_title(pid): pid for pid in children}
     assert {"surge: frontend", "surge: scheduler", "surge: worker 0"} <= set(titles)
     for name in ("surge: scheduler", "surge: worker 0"):  # each in its own process group
@@ -86,7 +69,7 @@ def test_signal_stops_everything_cleanly(tmp_path, sig):
 def test_killed_supervisor_leaves_no_orphans_and_is_swept(tmp_path):
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     server = ServerProcess(env=env).wait_ready()
-    children = _descendants(server.proc.pid)
+    children = descendants(server.proc.pid)
     server.proc.kill()
     server.proc.wait()
     assert _gone(children, 15), "children outlived a SIGKILLed supervisor"
@@ -121,7 +104,7 @@ def _long_requests(server: ServerProcess, n: int, max_tokens: int) -> list[tuple
 
 
 def _worker_pid(server: ServerProcess) -> int:
-    (worker,) = [p for p in _descendants(server.proc.pid) if _title(p) == "surge: worker 0"]
+    (worker,) = [p for p in descendants(server.proc.pid) if _title(p) == "surge: worker 0"]
     return worker
 
 
@@ -207,7 +190,7 @@ def test_deterministic_bf16_recovery_and_batching_give_the_same_text(tmp_path):
 def test_worker_dying_too_often_ends_every_request_with_503(tmp_path):
     server = ServerProcess("--max-worker-restarts", "0",
                            env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
-    children = _descendants(server.proc.pid)
+    children = descendants(server.proc.pid)
     import threading
 
     threading.Timer(2.0, os.kill, (_worker_pid(server), signal.SIGKILL)).start()
@@ -281,7 +264,7 @@ def test_scheduler_killed_answers_every_request_at_once(tmp_path):
     import threading
 
     server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
-    children = _descendants(server.proc.pid)
+    children = descendants(server.proc.pid)
     (scheduler,) = [p for p in children if _title(p) == "surge: scheduler"]
     threading.Timer(2.0, os.kill, (scheduler, signal.SIGKILL)).start()
     started = time.monotonic()

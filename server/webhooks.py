@@ -1,0 +1,125 @@
+"""Batch events to webhook receivers: signed as Standard Webhooks (what the openai client's
+webhooks.unwrap verifies), queued in the store's outbox and delivered at least once, with
+backoff, across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import sqlite3
+import time
+from contextlib import suppress
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from server.batch_store import BatchStore
+from server.errors import ApiError
+from surge import metrics
+from surge.config import BatchConfig, TenantConfig
+
+log = logging.getLogger("surge.webhooks")
+_MAX_BACKOFF_S = 3600.0
+_AT_ONCE = 16  # deliveries in flight at a time
+
+
+def sign(secret: str, event_id: str, timestamp: int, payload: str) -> str:
+    """The webhook-signature header: HMAC-SHA256 of id.timestamp.payload, keyed by the
+    secret (base64 after whsec_, else its bytes)."""
+    key = base64.b64decode(secret[6:]) if secret.startswith("whsec_") else secret.encode()
+    mac = hmac.new(key, f"{event_id}.{timestamp}.{payload}".encode(), hashlib.sha256)
+    return "v1," + base64.b64encode(mac.digest()).decode()
+
+
+def event_id(batch_id: str, kind: str) -> str:
+    """Stable across restarts and re-finalizing, so a receiver can drop duplicates."""
+    return "evt_" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+
+
+class Webhooks:
+    def __init__(self, store: BatchStore, tenants: dict[str, TenantConfig],
+                 cfg: BatchConfig) -> None:
+        self.store = store
+        self.tenants = tenants
+        self.cfg = cfg
+        self.wake = asyncio.Event()
+
+    def tenant(self, name: str) -> TenantConfig:
+        return self.tenants.get(name) or TenantConfig()
+
+    def check_metadata(self, tenant: str, metadata: dict[str, str] | None) -> None:
+        """A webhook_url in a batch's metadata: only where the tenant's config allows it."""
+        url = (metadata or {}).get("webhook_url")
+        if url is None:
+            return
+        if not self.tenant(tenant).webhook_from_metadata:
+            raise ApiError(400, "metadata.webhook_url is not allowed for this tenant "
+                                "(webhook_from_metadata)", param="metadata")
+        if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+            raise ApiError(400, f"metadata.webhook_url {url!r} is not an http(s) URL",
+                           param="metadata")
+
+    def events(self, tenant: str, batch: dict) -> list[tuple[str, str, str, str]]:
+        """Outbox rows (event id, url, tenant, payload) for a batch that has just ended."""
+        config = self.tenant(tenant)
+        urls = config.webhook_urls.split()
+        if url := (batch.get("metadata") or {}).get("webhook_url"):
+            urls.append(url)
+        if not urls:
+            return []
+        if not config.webhook_secret:
+            log.warning("tenant %s has webhook receivers but no webhook_secret: no event sent "
+                        "for batch %s", tenant, batch["id"])
+            return []
+        kind = f"batch.{batch['status']}"
+        eid = event_id(batch["id"], kind)
+        payload = json.dumps({"id": eid, "object": "event", "type": kind,
+                              "created_at": int(time.time()), "data": {"id": batch["id"]}})
+        return [(eid, url, tenant, payload) for url in dict.fromkeys(urls)]
+
+    async def run(self) -> None:
+        """Forever: deliver what is due, then sleep until more is (or an event is queued)."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.webhook_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                due = self.store.due(time.time(), _AT_ONCE)
+                await asyncio.gather(*(self._deliver(session, row) for row in due))
+                if len(due) < _AT_ONCE:
+                    self.wake.clear()
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), 0.5)
+
+    async def _deliver(self, session: aiohttp.ClientSession, row: sqlite3.Row) -> None:
+        eid, url, payload = row["event_id"], row["url"], row["payload"]
+        secret = self.tenant(row["tenant"]).webhook_secret
+        stamp = int(time.time())  # signed afresh each attempt: receivers refuse old stamps
+        headers = {"Content-Type": "application/json", "webhook-id": eid,
+                   "webhook-timestamp": str(stamp),
+                   "webhook-signature": sign(secret, eid, stamp, payload)}
+        problem = None
+        try:
+            async with session.post(url, data=payload.encode(), headers=headers) as r:
+                if 200 <= r.status < 300:
+                    self.store.delivered(eid, url, "delivered", row["attempts"] + 1, time.time())
+                    metrics.webhook_deliveries.labels("delivered").inc()
+                    log.info("webhook delivered", extra={"event_id": eid, "url": url})
+                    return
+                problem = f"HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        attempts = row["attempts"] + 1
+        if attempts >= self.cfg.webhook_max_attempts:
+            self.store.delivered(eid, url, "given_up", attempts, time.time())
+            metrics.webhook_deliveries.labels("given_up").inc()
+            log.error("webhook given up after %d attempts (%s)", attempts, problem,
+                      extra={"event_id": eid, "url": url})
+            return
+        wait = min(self.cfg.webhook_backoff_s * 2 ** (attempts - 1), _MAX_BACKOFF_S)
+        self.store.delivered(eid, url, "pending", attempts, time.time() + wait)
+        metrics.webhook_deliveries.labels("retry").inc()
+        log.warning("webhook failed (%s); retry in %.1fs", problem, wait,
+                    extra={"event_id": eid, "url": url, "attempt": attempts})

@@ -1,0 +1,90 @@
+"""The Batch API's store and line parsing, on a real SQLite file: state changes only from the
+states expected, a line answered once, retention, and each kind of bad line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from server.batch_lines import read_lines
+from server.batch_store import BatchStore, StateDirBusy
+
+CHAT = "/v1/chat/completions"
+
+
+def batch(batch_id: str, status: str = "validating") -> dict:
+    return {"id": batch_id, "status": status, "request_counts": None, "metadata": None}
+
+
+def test_update_applies_only_from_expected_states_with_its_events(tmp_path):
+    store = BatchStore(str(tmp_path))
+    store.add_batch("t", batch("b1", "in_progress"))
+    cancelled = store.update("b1", ("validating", "in_progress"), status="cancelling")
+    assert cancelled is not None and cancelled["status"] == "cancelling"
+    # The feeder's counts after a cancel do not bring the batch back.
+    assert store.update("b1", ("in_progress",), request_counts={"total": 1}) is None
+    ended = store.update("b1", ("cancelling",), lambda b: [("evt_1", "http://x", "t",
+                                                            json.dumps(b))],
+                         status="cancelled")
+    assert ended is not None and store.batch("t", "b1")["status"] == "cancelled"
+    assert store.batch("other", "b1") is None
+    assert [r["event_id"] for r in store.due(time.time(), 10)] == ["evt_1"]
+    # A second end (a restart that finalizes again) queues no second event.
+    store.update("b1", ("cancelled",), lambda b: [("evt_1", "http://x", "t", "{}")])
+    assert len(store.due(time.time(), 10)) == 1
+
+
+def test_a_line_is_recorded_once_and_pending_skips_lines_in_flight(tmp_path):
+    store = BatchStore(str(tmp_path))
+    store.add_lines("b", [(1, "a", "pending", "{}", None), (2, "b", "pending", "{}", None)])
+    assert [x[0] for x in store.pending("b", {1}, 5)] == [2]
+    store.finish_line("b", 1, "done", "first")
+    store.finish_line("b", 1, "failed", "second")
+    assert list(store.results("b", "done")) == ["first"]
+    assert store.counts("b") == {"done": 1, "pending": 1}
+    store.add_lines("b", [(1, "a", "pending", "{}", None)])  # validated again: kept as done
+    assert store.counts("b") == {"done": 1, "pending": 1}
+
+
+def test_retention_removes_ended_batches_and_old_files(tmp_path):
+    store = BatchStore(str(tmp_path))
+    store.add_batch("t", batch("old", "in_progress"))
+    store.add_batch("t", batch("running", "in_progress"))
+    store.update("old", ("in_progress",), status="completed")
+    store.add_lines("old", [(1, "a", "done", None, "{}")])
+    store.path("file-1").write_text("x")
+    store.add_file("t", "file-1", "batch", "in.jsonl", 1)
+    assert store.remove_old(time.time() + 1) == 2
+    assert store.batch("t", "old") is None and store.counts("old") == {}
+    assert store.batch("t", "running") is not None
+    assert store.file("t", "file-1") is None and not store.path("file-1").exists()
+
+
+def test_bad_lines_each_get_a_reason(tmp_path):
+    good = {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"messages": []}}
+    lines = ["{oops", "[1, 2]", json.dumps({**good, "custom_id": ""}),
+             json.dumps({**good, "custom_id": "m", "method": "GET"}),
+             json.dumps({**good, "custom_id": "u", "url": "/v1/completions"}),
+             json.dumps({**good, "custom_id": "x", "extra": 1}),
+             json.dumps({**good, "custom_id": "b", "body": "text"}), json.dumps(good), "",
+             json.dumps(good)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    rows = read_lines(path, "batch_1", CHAT, 100)
+    codes = [json.loads(r[4])["error"]["code"] if r[2] == "failed" else "ok" for r in rows]
+    assert codes == ["invalid_json", "invalid_json", "missing_custom_id", "invalid_method",
+                     "invalid_url", "invalid_request", "invalid_body", "ok",
+                     "duplicate_custom_id"]
+    assert [r[0] for r in rows][-1] == 10  # numbered as in the file, blank lines too
+    with pytest.raises(ValueError, match="more than 3 lines"):
+        read_lines(path, "batch_1", CHAT, 3)
+
+
+def test_one_server_per_state_dir(tmp_path):
+    store = BatchStore(str(tmp_path))
+    with pytest.raises(StateDirBusy, match="--state-dir"):
+        BatchStore(str(tmp_path))
+    store.close()
+    BatchStore(str(tmp_path)).close()  # free again once the holder is gone
