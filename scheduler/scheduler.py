@@ -275,7 +275,7 @@ class Scheduler(Intake):
                 break
             size = grown
             if seq.first_scheduled is None:
-                seq.first_scheduled = self.clock()
+                seq.first_scheduled, seq.cached_tokens = self.clock(), cached
                 self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
             self._start(seq)
             self._commit(seq, item)
@@ -408,14 +408,18 @@ class Scheduler(Intake):
                     break
             seq.tenant.tokens.take(len(tokens), now)
             self.admission.ladder.generated += len(tokens)
-            if seq.num_output_tokens == len(tokens):  # its first: the ladder watches TTFT
+            first = seq.num_output_tokens == len(tokens)
+            if first:  # the ladder watches TTFT
                 self.admission.ladder.ttfts.append(now - seq.arrival_time)
             if reason:
                 self._finish(seq)
             else:
                 self.blocks.name_full_blocks(seq)
             logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
-            outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
+            outputs.append(RequestOutput(
+                seq.request_id, tokens, reason, None, logprobs,
+                queued_s=(seq.first_scheduled or now) - seq.arrival_time if first else None,
+                cached_tokens=seq.cached_tokens if first else None))
         self.quarantine.served(plan, self.seqs)
         return outputs
 

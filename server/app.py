@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -27,6 +27,7 @@ from server.openai_types import (
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.tokenizer import Tokenizer
 from server.tools import ToolCallParser, tools_on
+from server.tracing import RequestTrace, Tracing
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
@@ -54,6 +55,8 @@ class Frontend:
         self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
                                            cfg.header_timeout_s)
         metrics.frontend_series(model_name)
+        endpoint = cfg.otlp_traces_endpoint
+        self.tracing = Tracing(endpoint) if endpoint else None
 
     # ---- endpoints ----
 
@@ -74,21 +77,34 @@ class Frontend:
         return await self._respond(request, body, "chat", *await self.translator.prepare(body))
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
-                  max_tokens: int | None, logprobs: int | None, tenant: str
+                  max_tokens: int | None, logprobs: int | None, tenant: str,
+                  headers: Mapping[str, str] | None = None
                   ) -> tuple[AsyncIterator[Piece], str | None]:
         """Submit the body's engine requests (one per choice) and wait until the scheduler has
         taken them all (or raise its refusal, or the circuit breaker's); their pieces merged,
-        and how the degradation ladder changed them (None: not at all)."""
+        and how the degradation ladder changed them (None: not at all). headers: the HTTP
+        request's, whose traceparent a trace continues."""
         breaker = self.engine.breaker
         probe = breaker.admit()
+        trace = None
+        prompt_tokens = sum(len(p) for p in prompts)
         try:
             grammar = await self.translator.grammar(body)
             requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
                                                        logprobs, tenant, grammar)
+            if self.tracing is not None:
+                trace = self.tracing.start(
+                    "chat" if isinstance(body, ChatCompletionRequest) else "completion", rid,
+                    headers, {"surge.tenant": tenant, "surge.choices": len(requests),
+                              "surge.priority": requests[0].priority or 0,
+                              "gen_ai.request.model": self.translator.model_name})
             taken, degraded = await submit(self.engine, requests)
-        except BaseException:
+        except BaseException as e:
             if probe:
                 breaker.finished(None)  # refused or cancelled: says nothing of the engine
+            if trace is not None:
+                trace.end(f"error {e.status}" if isinstance(e, ApiError) else "cancelled", [],
+                          prompt_tokens, 0)
             raise
         if degraded:
             metrics.degraded_responses.labels(self.translator.model_name).inc()
@@ -96,9 +112,9 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
+        return _logged(merge(streams), rid, prompt_tokens, tenant,
                        self.translator.model_name, len(streams),
-                       breaker.finished if probe else None), degraded
+                       breaker.finished if probe else None, trace), degraded
 
     async def _respond(self, request: web.Request, body: Body, kind: str,
                        prompts: list[list[int]], max_tokens: int | None,
@@ -106,7 +122,7 @@ class Frontend:
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs,
-                                          request["tenant"])
+                                          request["tenant"], request.headers)
         # A degraded request is never silently so (see scheduler/overload.py).
         headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {})}
         n = len(prompts) * body.n
@@ -263,10 +279,12 @@ class Frontend:
 
 async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
                   model: str, choices: int,
-                  ended: Callable[[bool | None], None] | None = None) -> AsyncIterator[Piece]:
+                  ended: Callable[[bool | None], None] | None = None,
+                  trace: RequestTrace | None = None) -> AsyncIterator[Piece]:
     """One log line per finished request: id, outcome, token counts, timings (no text); its
-    metrics, a cancelled or failed request's too. ended: told whether it finished (True),
-    the engine failed it (False), or neither (None), as Breaker.finished takes it."""
+    metrics and its trace, a cancelled or failed request's too. ended: told whether it
+    finished (True), the engine failed it (False), or neither (None), as Breaker.finished
+    takes it."""
     started = time.monotonic()
     first: float | None = None
     last = started
@@ -284,6 +302,8 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
                 else:
                     metrics.itl.labels(model).observe(now - last)
                 last = now
+                if trace is not None:
+                    trace.piece(piece.timing)
                 generated += piece.num_tokens
                 if piece.finish_reason:
                     reasons.append(piece.finish_reason)
@@ -297,6 +317,8 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
     finally:
         if ended is not None:
             ended(True if outcome == "ok" else False if engine_failed else None)
+        if trace is not None:
+            trace.end(outcome, reasons, prompt_tokens, generated)
         metrics.prompt_tokens.labels(model).inc(prompt_tokens)
         for reason in reasons:
             metrics.request_success.labels(model, reason).inc()

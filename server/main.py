@@ -62,6 +62,8 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         listener.close()  # no new connections; runner.cleanup() ends the open ones
         await runner.cleanup()
         engine.close()
+        if frontend.tracing is not None:
+            frontend.tracing.shutdown()  # the last spans go out
 
 
 async def _drain(frontend: Frontend, timeout_s: float) -> None:
