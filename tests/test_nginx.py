@@ -20,24 +20,26 @@ import pytest
 from tests.nginx import NginxProcess
 from tests.server import ServerProcess
 from tests.test_shutdown import _descendants
+from tests.test_tracing import Receiver
 
 pytestmark = pytest.mark.slow
 # A long drain: on a loaded 2-core machine the streams it waits for take minutes.
 NODE_ARGS = ("--drain-timeout-s", "600", "--max-num-seqs", "16")
 
 
-def _node(port: int | None = None) -> ServerProcess:
-    return ServerProcess(*NODE_ARGS, dtype="bfloat16", kv_cache_memory="64MiB", port=port)
-
-
 class Cluster:
     def __init__(self, folder: Path) -> None:
-        starting = [_node(), _node()]
+        self.traces = Receiver()  # both nodes export their spans here
+        starting = [self.node(), self.node()]
         self.nodes = {f"127.0.0.1:{n.port}": n.wait_ready() for n in starting}
         self.nginx = NginxProcess(list(self.nodes), folder)
         self.client = openai.OpenAI(base_url=f"{self.nginx.url}/v1", api_key="none",
                                     max_retries=0)  # nginx, not the client, must cope
         self.model = self.client.models.list().data[0].id
+
+    def node(self, port: int | None = None) -> ServerProcess:
+        return ServerProcess(*NODE_ARGS, "--otlp-traces-endpoint", self.traces.url,
+                             dtype="bfloat16", kv_cache_memory="64MiB", port=port)
 
     def chat(self, text: str, max_tokens: int = 8, **headers: str) -> tuple[str, str]:
         """One chat answer through nginx: (its text, the node that answered)."""
@@ -50,6 +52,7 @@ class Cluster:
         self.nginx.stop()
         for node in self.nodes.values():
             node.stop()
+        self.traces.http.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,18 @@ def test_a_conversation_sticks_to_its_node(cluster: Cluster) -> None:
     assert all(len(nodes) == 1 for nodes in homes.values()), homes
     # Consistent hashing still spreads conversations over the nodes.
     assert set().union(*homes.values()) == set(cluster.nodes), homes
+
+
+def test_one_trace_through_nginx_and_surge(cluster: Cluster) -> None:
+    """nginx passes the caller's traceparent on: surge's span joins the caller's trace."""
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    cluster.chat("Hello", 2, traceparent=f"00-{trace_id}-{parent}-01")
+    deadline = time.monotonic() + 30
+    while not (spans := [s for s in cluster.traces.spans if s.trace_id.hex() == trace_id]):
+        assert time.monotonic() < deadline, "no span of the trace arrived"
+        time.sleep(0.2)
+    (request,) = [s for s in spans if s.name == "surge chat"]
+    assert request.parent_span_id.hex() == parent
 
 
 def test_http2_client_streams_through_tls(cluster: Cluster) -> None:
@@ -172,7 +187,7 @@ def test_drained_node_loses_no_request(cluster: Cluster) -> None:
     assert name in {r["node"] for r in results}  # the drained node had streams to finish
     assert all(_last(n) != name for n in late_nodes), late_nodes
     assert node.proc.wait(60) == 0
-    cluster.nodes[name] = _node(node.port).wait_ready()  # back, for the next test
+    cluster.nodes[name] = cluster.node(node.port).wait_ready()  # back, for the next test
 
 
 def test_killed_node_fails_only_its_own_requests(cluster: Cluster) -> None:
