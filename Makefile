@@ -28,6 +28,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	@command -v systemd-analyze >/dev/null || { apt-get update -qq && apt-get install -y -qq systemd; }
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	@# tests/test_nginx.py runs the real nginx (and openssl for its test certificate).
+	@{ command -v nginx || test -x /usr/sbin/nginx; } >/dev/null && command -v openssl >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq nginx openssl; }
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code

@@ -27,6 +27,7 @@ class Admission:
         self.tenant_cfgs = tenants
         self.tenants: dict[str, Tenant] = {}
         self.drained = RateMeter()  # requests leaving the queue for the batch
+        self.arrived = 0  # engine requests that arrived (refused ones too): the demand
         self.rejected: Counter[tuple[str, str]] = Counter()  # (tenant, limit) -> count
         self.ladder = Ladder(overload, tenants, now)
 
@@ -53,12 +54,16 @@ class Admission:
         self.ladder.configure(overload, tenants)
 
     def judge(self, queue: WaitingQueue, blocks: BlockManager, now: float) -> None:
-        """Let the ladder weigh the queue and the KV cache (see Ladder.judge). Without a
-        measured drain rate, the oldest request's wait is what the queue is known to take."""
+        """Let the ladder weigh the queue and the KV cache (see Ladder.judge)."""
+        self.ladder.judge(now, self.drain_seconds(queue, now),
+                          1 - blocks.num_free / blocks.num_blocks)
+
+    def drain_seconds(self, queue: WaitingQueue, now: float) -> float:
+        """How long the queue would take to drain at the measured rate. Without one, the
+        oldest request's wait is what the queue is known to take."""
         drain = self.drained.rate(now)
-        drain_s = len(queue) / drain if drain else \
+        return len(queue) / drain if drain else \
             max((now - s.arrival_time for s in queue), default=0.0)
-        self.ladder.judge(now, drain_s, 1 - blocks.num_free / blocks.num_blocks)
 
     def degrade(self, reqs: list[EngineRequest], tenant: Tenant) -> tuple[list[EngineRequest],
                                                                           str | None]:

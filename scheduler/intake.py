@@ -45,6 +45,7 @@ class Intake:
         """Queue the engine requests of one API request (its prompts and choices) as a unit:
         all of them, or none, each then refused as the first refused one is. One reply per
         request: its refusal, or its acknowledgement (which tells of a degradation)."""
+        self.admission.arrived += len(reqs)
         refusal = next(filter(None, map(self._invalid, reqs)), None)
         if refusal is None:
             self.admission.ladder.requested += sum(r.sampling.max_tokens for r in reqs)

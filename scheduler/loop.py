@@ -76,7 +76,8 @@ class SchedulerLoop:
         self.worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self.scheduler: Scheduler | None = None
         self.kernels = ""  # the workers' kernel backend (WorkerReady.kernels), for admin get
-        self.stats = StatsCollector(served_name(cfg.model.served_model_name, cfg.model.model))
+        self.stats = StatsCollector(served_name(cfg.model.served_model_name, cfg.model.model),
+                                    cfg.autoscale)
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
         self._stalled = False  # work is queued but nothing could be planned

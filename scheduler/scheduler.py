@@ -277,7 +277,7 @@ class Scheduler(Intake):
                 break
             size = grown
             if seq.first_scheduled is None:
-                seq.first_scheduled = self.clock()
+                seq.first_scheduled, seq.cached_tokens = self.clock(), cached
                 self.queue_waits.append(seq.first_scheduled - seq.arrival_time)
             self._start(seq)
             self._commit(seq, item)
@@ -410,7 +410,8 @@ class Scheduler(Intake):
                     break
             seq.tenant.tokens.take(len(tokens), now)
             self.admission.ladder.generated += len(tokens)
-            if seq.num_output_tokens == len(tokens):  # its first: the ladder watches TTFT
+            first = seq.num_output_tokens == len(tokens)
+            if first:  # the ladder watches TTFT
                 self.admission.ladder.ttfts.append(now - seq.arrival_time)
             if reason:
                 self._finish(seq)
@@ -419,7 +420,10 @@ class Scheduler(Intake):
                 # Proposals of this step and of one planned after it may yet be rejected.
                 self.blocks.release_outside_window(seq, 2 * self.spec.cfg.num_speculative_tokens)
             logprobs = None if new.logprobs is None else new.logprobs[: len(tokens)]
-            outputs.append(RequestOutput(seq.request_id, tokens, reason, None, logprobs))
+            outputs.append(RequestOutput(
+                seq.request_id, tokens, reason, None, logprobs,
+                queued_s=(seq.first_scheduled or now) - seq.arrival_time if first else None,
+                cached_tokens=seq.cached_tokens if first else None))
         self.quarantine.served(plan, self.seqs)
         return outputs
 

@@ -38,6 +38,7 @@ class Sequence:
         self.priority = priority  # lower is more urgent
         self.deadline = deadline  # when it must have started by, else it ends with an error
         self.first_scheduled: float | None = None
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache when first scheduled
         self.grammar = grammar  # structured output (see ScheduledSeq.grammar)
         self.grammar_sent = False  # to the workers, for the computation under way
         self.status = Status.WAITING

@@ -9,8 +9,9 @@ import msgspec
 from prometheus_client import Counter
 
 from scheduler.scheduler import Scheduler
+from scheduler.signals import Signals
 from surge import metrics
-from surge.config import LIVE_SECTION, SurgeConfig
+from surge.config import LIVE_SECTION, AutoscaleConfig, SurgeConfig
 from surge.protocol import BreakerState, EngineStats, RequestOutput, StepPlan, StepResult
 
 # The snapshot's running totals that Prometheus counters follow (per model, engine-wide).
@@ -27,8 +28,9 @@ _LIMITS = ("max_concurrent", "max_queued", "max_queued_requests", "max_queued_to
 
 
 class StatsCollector:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, autoscale: AutoscaleConfig | None = None) -> None:
         self.model = model_name
+        self.signals = Signals(autoscale or AutoscaleConfig(), time.time())
         # Created now, so every series reads 0 from the start rather than "No data".
         self.counters: list[tuple[str, Counter]] = [
             *((name, counter.labels(model_name)) for name, counter in _MODEL_COUNTERS),
@@ -41,6 +43,7 @@ class StatsCollector:
         self.steps = 0
         self.scheduled_tokens = 0
         self.generated_tokens = 0
+        self.finished_requests = 0
         self.worker_compute_s = 0.0
         self.worker_wait_s = 0.0
         self.worker_forward_s = 0.0
@@ -56,6 +59,7 @@ class StatsCollector:
         self.scheduled_tokens += tokens
         # Tokens, not outputs: an output carries several when proposals were accepted.
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.finished_requests += sum(o.finish_reason is not None for o in outputs)
         self.worker_compute_s += result.compute_s
         self.worker_forward_s += result.forward_s
         if continuous:  # the worker's wait before an idle engine's first step is not
@@ -65,8 +69,11 @@ class StatsCollector:
 
     def snapshot(self, sched: Scheduler) -> EngineStats:
         blocks, spec, ladder = sched.blocks, sched.spec, sched.admission.ladder
+        now, signals = time.time(), self.signals
+        signals.update(now, sched.admission.arrived, self.generated_tokens,
+                       self.finished_requests)
         return EngineStats(
-            time=time.time(), running=len(sched.running), waiting=len(sched.waiting),
+            time=now, running=len(sched.running), waiting=len(sched.waiting),
             queued_tokens=sched.waiting.num_tokens,
             kv_blocks_used=blocks.num_blocks - blocks.num_free,
             kv_blocks_total=blocks.num_blocks,
@@ -80,7 +87,10 @@ class StatsCollector:
             spec_verifications=spec.verifications,
             congested=ladder.congested, overload_level=ladder.level,
             degraded_requests=sum(ladder.degraded.values()),
-            breaker=self.breaker.state, breaker_rejected=self.breaker.rejected)
+            breaker=self.breaker.state, breaker_rejected=self.breaker.rejected,
+            queue_drain_s=sched.admission.drain_seconds(sched.waiting, now),
+            arrival_rate=signals.arrival_rate, capacity_tokens_s=signals.capacity_tokens_s,
+            capacity_requests_s=signals.capacity_requests_s, forecast=signals.predictions())
 
     def export(self, stats: EngineStats, sched: Scheduler, cfg: SurgeConfig) -> None:
         """Set the Prometheus metrics: the engine-wide ones from the snapshot, the labelled
@@ -107,6 +117,12 @@ class StatsCollector:
         self._export_tenants(sched)
         _export_limits(sched, cfg)
         self._export_ladder(sched)
+        metrics.queue_drain.set(stats.queue_drain_s)
+        metrics.arrival_rate.set(stats.arrival_rate)
+        metrics.capacity_tokens.set(stats.capacity_tokens_s)
+        metrics.capacity_requests.set(stats.capacity_requests_s)
+        for horizon, rate in stats.forecast.items():
+            metrics.forecast_arrival_rate.labels(horizon).set(rate)
 
     def _advance(self, counter: Counter, series: str, total: int) -> None:
         """Counters only go up: add what a running total gained since the last export."""

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -28,6 +28,7 @@ from server.responses import TokenText, chat_logprobs, completion_logprobs, merg
 from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
 from server.tools import tool_parsers
+from server.tracing import RequestTrace, Tracing
 from server.translate import Body, RequestTranslator, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
@@ -58,6 +59,8 @@ class Frontend:
         self.connections = ConnectionGuard(connection_limit(cfg.max_connections),
                                            cfg.header_timeout_s)
         metrics.frontend_series(model_name)
+        endpoint = cfg.otlp_traces_endpoint
+        self.tracing = Tracing(endpoint) if endpoint else None
 
     # ---- endpoints ----
 
@@ -79,21 +82,34 @@ class Frontend:
                                   *await self.translator.prepare(body))
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
-                  max_tokens: int | None, logprobs: int | None, tenant: str
+                  max_tokens: int | None, logprobs: int | None, tenant: str,
+                  headers: Mapping[str, str] | None = None
                   ) -> tuple[AsyncIterator[Piece], str | None]:
         """Submit the body's engine requests (one per choice) and wait until the scheduler has
         taken them all (or raise its refusal, or the circuit breaker's); their pieces merged,
-        and how the degradation ladder changed them (None: not at all)."""
+        and how the degradation ladder changed them (None: not at all). headers: the HTTP
+        request's, whose traceparent a trace continues."""
         breaker = self.engine.breaker
         probe = breaker.admit()
+        trace = None
+        prompt_tokens = sum(len(p) for p in prompts)
         try:
             grammar = await self.translator.grammar(body)
             requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
                                                        logprobs, tenant, grammar)
+            if self.tracing is not None:
+                trace = self.tracing.start(
+                    "chat" if isinstance(body, ChatCompletionRequest) else "completion", rid,
+                    headers, {"surge.tenant": tenant, "surge.choices": len(requests),
+                              "surge.priority": requests[0].priority or 0,
+                              "gen_ai.request.model": self.translator.model_name})
             taken, degraded = await submit(self.engine, requests)
-        except BaseException:
+        except BaseException as e:
             if probe:
                 breaker.finished(None)  # refused or cancelled: says nothing of the engine
+            if trace is not None:
+                trace.end(f"error {e.status}" if isinstance(e, ApiError) else "cancelled", [],
+                          prompt_tokens, 0)
             raise
         if degraded:
             metrics.degraded_responses.labels(self.translator.model_name).inc()
@@ -101,9 +117,9 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return _logged(merge(streams), rid, sum(len(p) for p in prompts), tenant,
+        return _logged(merge(streams), rid, prompt_tokens, tenant,
                        self.translator.model_name, len(streams),
-                       breaker.finished if probe else None), degraded
+                       breaker.finished if probe else None, trace), degraded
 
     async def respond(self, body: Body, kind: str, tenant: str, request: web.Request | None,
                       prompts: list[list[int]], max_tokens: int | None,
@@ -194,12 +210,13 @@ class Frontend:
         (X-Surge-Cache: hit, miss or bypass; None: no cache)."""
         cache = self.cache
         if cache is None:
-            return *await self.run(body, rid, prompts, max_tokens, logprobs, tenant), None
+            return *await self.run(body, rid, prompts, max_tokens, logprobs, tenant, headers), None
         key = cache.key(kind, tenant, body, headers)
         if key and (kept := await cache.get(key)):
             log.info("request cache hit", extra={"request_id": rid, "tenant": tenant})
             return replay(kept), None, "hit"
-        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs, tenant)
+        pieces, degraded = await self.run(body, rid, prompts, max_tokens, logprobs, tenant,
+                                          headers)
         if key and not degraded:
             pieces = cache.recorded(pieces, key, n)
         return pieces, degraded, "miss" if key else "bypass"
@@ -295,10 +312,12 @@ class Frontend:
 
 async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
                   model: str, choices: int,
-                  ended: Callable[[bool | None], None] | None = None) -> AsyncIterator[Piece]:
+                  ended: Callable[[bool | None], None] | None = None,
+                  trace: RequestTrace | None = None) -> AsyncIterator[Piece]:
     """One log line per finished request: id, outcome, token counts, timings (no text); its
-    metrics, a cancelled or failed request's too. ended: told whether it finished (True),
-    the engine failed it (False), or neither (None), as Breaker.finished takes it."""
+    metrics and its trace, a cancelled or failed request's too. ended: told whether it
+    finished (True), the engine failed it (False), or neither (None), as Breaker.finished
+    takes it."""
     started = time.monotonic()
     first: float | None = None
     last = started
@@ -316,6 +335,8 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
                 else:
                     metrics.itl.labels(model).observe(now - last)
                 last = now
+                if trace is not None:
+                    trace.piece(piece.timing)
                 generated += piece.num_tokens
                 if piece.finish_reason:
                     reasons.append(piece.finish_reason)
@@ -329,6 +350,8 @@ async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, te
     finally:
         if ended is not None:
             ended(True if outcome == "ok" else False if engine_failed else None)
+        if trace is not None:
+            trace.end(outcome, reasons, prompt_tokens, generated)
         metrics.prompt_tokens.labels(model).inc(prompt_tokens)
         for reason in reasons:
             metrics.request_success.labels(model, reason).inc()

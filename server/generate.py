@@ -22,6 +22,8 @@ class Piece(Struct):
     finish_reason: str | None = None
     token_ids: list[int] = []  # with logprobs: the tokens whose logprobs follow
     logprobs: list[TokenLogprobs] = []
+    # On the piece after the first token, for traces: (seconds queued, prompt tokens cached).
+    timing: tuple[float, int] | None = None
 
 
 def refusal(out: RequestOutput) -> ApiError:
@@ -62,6 +64,7 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
     held_ids: list[int] = []
     held_logprobs: list[TokenLogprobs] = []
     generated = 0
+    timing: tuple[float, int] | None = None
     try:
         while not finished:
             out = await stream.get()
@@ -69,6 +72,8 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
             if out.finish_reason in ("error", "abort"):
                 raise refusal(out)
             reason = out.finish_reason
+            if out.queued_s is not None:
+                timing = (out.queued_s, out.cached_tokens or 0)
             shown = out.new_token_ids
             if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
                 shown = shown[:-1]  # the stop token itself is not part of the text
@@ -86,8 +91,8 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
                 held_ids += out.new_token_ids
                 held_logprobs += out.logprobs
             if text or finished:
-                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs)
-                uncounted, held_ids, held_logprobs = 0, [], []
+                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs, timing)
+                uncounted, held_ids, held_logprobs, timing = 0, [], [], None
     finally:
         if not finished:
             engine.abort(request_id)

@@ -98,6 +98,8 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         if store is not None:
             store.close()
         engine.close()
+        if frontend.tracing is not None:
+            frontend.tracing.shutdown()  # the last spans go out
 
 
 async def _drain(frontend: Frontend, timeout_s: float) -> None:

@@ -157,6 +157,29 @@ def _summary(runtime_dir: str) -> str:
     ])
 
 
+def _capacity(runtime_dir: str, as_json: bool) -> tuple[bool, str]:
+    """What an autoscaler sees: load, the capacity served lately and the arrival forecast."""
+    reply = ask(f"ipc://{runtime_dir}/admin", "stats")
+    if not reply.ok:
+        return False, reply.message
+    v = reply.values
+    keys = ("running", "waiting", "queue_drain_s", "arrival_rate", "capacity_tokens_s",
+            "capacity_requests_s", "forecast", "kv_blocks_used", "kv_blocks_total")
+    if as_json:
+        return True, json.dumps({k: v[k] for k in keys}, indent=2)
+    forecast = "   ".join(f"in {int(h) // 60} min {rate:.2f}/s"
+                           for h, rate in v["forecast"].items())
+    return True, "\n".join([
+        f"load         {v['running']} running, {v['waiting']} waiting, queue drains in "
+        f"{v['queue_drain_s']:.1f} s, KV cache "
+        f"{v['kv_blocks_used'] / max(v['kv_blocks_total'], 1):.0%}",
+        f"capacity     {v['capacity_tokens_s']:.1f} tokens/s, {v['capacity_requests_s']:.2f} "
+        f"requests/s (the best 10 s lately)",
+        f"arrivals     {v['arrival_rate']:.2f} requests/s (last interval)",
+        f"forecast     {forecast}",
+    ])
+
+
 def _table(values: dict[str, object]) -> str:
     """NAME VALUE SECTION, aligned."""
     rows = [("NAME", "VALUE", "SECTION")] + [
@@ -242,6 +265,10 @@ def run_admin(args: argparse.Namespace) -> int:
     if args.action == "stats":
         print(_summary(runtime_dir))
         return 0
+    if args.action == "capacity":
+        ok, text = _capacity(runtime_dir, args.json)
+        print(text if ok else f"surge admin: {text}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     if args.action == "top":
         from surge.admin_top import run_top
 

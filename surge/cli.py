@@ -26,9 +26,10 @@ def _parser() -> argparse.ArgumentParser:
                     "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM); "
                     "keys add TENANT [--key KEY] | keys remove ID | keys list: the API keys "
                     "(applied by the server without a restart); top: a live view, refreshed "
-                    "every second")
-    admin.add_argument("action", choices=["get", "set", "stats", "top", "reload", "drain",
-                                          "keys"])
+                    "every second; capacity: the load, the capacity served lately and the "
+                    "arrival forecast (what autoscalers read)")
+    admin.add_argument("action", choices=["get", "set", "stats", "capacity", "top", "reload",
+                                          "drain", "keys"])
     admin.add_argument("values", nargs="*", metavar="ARG",
                        help="set: KEY=VALUE pairs; keys: add TENANT, remove ID or list")
     admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
@@ -37,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with set: also write the values into the server's config file "
                             "(refused before anything is applied if it has none)")
     admin.add_argument("--json", action="store_true",
-                       help="with get and set: the reply as JSON, for scripts")
+                       help="with get, set and capacity: the reply as JSON, for scripts")
     admin.add_argument("--iterations", type=int, default=None, metavar="N",
                        help="with top: stop after N refreshes (default: until Ctrl-C)")
     admin.add_argument("--keys-file", default=None,

@@ -136,6 +136,10 @@ class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         float, Meta(gt=0, description="an idle keep-alive connection (no request after the "
                     "last answer) is closed after this long")
     ] = 15.0
+    otlp_traces_endpoint: Annotated[
+        str | None, Meta(description="export one OpenTelemetry trace span per request to this "
+                         "OTLP/HTTP URL (e.g. http://collector:4318/v1/traces); unset: off")
+    ] = None
     max_connections: Annotated[
         int, Meta(ge=0, description="open client connections; more are answered 503 and "
                   "closed (0: 4096, or the open-file limit less 256 when that is lower)")
@@ -397,6 +401,32 @@ class BatchConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 10.0
 
 
+class AutoscaleConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The signals autoscalers and balancers read (metrics, `surge admin capacity`)."""
+
+    capacity_window_s: Annotated[
+        float, Meta(gt=0, description="capacity is the best rate (tokens/s, requests/s) "
+                    "served over 10 s spans within this window")
+    ] = 600.0
+    forecast_interval_s: Annotated[
+        float, Meta(gt=0, description="arrivals are counted per interval of this length; "
+                    "each closed one updates the forecast")
+    ] = 60.0
+    forecast_season_s: Annotated[
+        float, Meta(ge=0, description="the length of the repeating pattern the forecast "
+                    "learns (a day); 0: level and trend only")
+    ] = 86400.0
+    forecast_alpha: Annotated[
+        float, Meta(gt=0, le=1, description="Holt-Winters smoothing of the level")
+    ] = 0.3
+    forecast_beta: Annotated[
+        float, Meta(ge=0, le=1, description="Holt-Winters smoothing of the trend")
+    ] = 0.05
+    forecast_gamma: Annotated[
+        float, Meta(ge=0, le=1, description="Holt-Winters smoothing of the season")
+    ] = 0.3
+
+
 class SupervisorConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_restarts: Annotated[
         int, Meta(ge=0, description="worker restarts allowed within a minute before surge "
@@ -413,6 +443,9 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+
+
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}

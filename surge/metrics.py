@@ -121,6 +121,20 @@ degraded = Counter("surge_degraded_requests", "new requests the degradation ladd
 overload_signal = Gauge("surge_overload_signal", "the congestion signals at the last "
                         "judgement (ttft_p95_s, queue_drain_s, kv_use)", ["signal"],
                         multiprocess_mode="livemax")
+# For autoscalers and balancers (scheduler/signals.py; README: recommended targets)
+queue_drain = Gauge("surge_queue_drain_seconds", "estimated seconds to drain the waiting queue "
+                    "at the measured rate", multiprocess_mode="livemax")
+arrival_rate = Gauge("surge_arrival_rate", "requests a second that arrived over the last "
+                     "forecast interval", multiprocess_mode="livemax")
+forecast_arrival_rate = Gauge("surge_forecast_arrival_rate", "requests a second expected "
+                              "horizon_s seconds ahead (Holt-Winters, daily season)",
+                              ["horizon_s"], multiprocess_mode="livemax")
+capacity_tokens = Gauge("surge_capacity_tokens_per_second", "the most tokens a second "
+                        "generated over 10 s within the capacity window",
+                        multiprocess_mode="livemax")
+capacity_requests = Gauge("surge_capacity_requests_per_second", "the most requests a second "
+                          "finished over 10 s within the capacity window",
+                          multiprocess_mode="livemax")
 policy = Gauge("surge_scheduling_policy", "1 for the policy in force", ["policy"],
                multiprocess_mode="livemax")
 

@@ -93,6 +93,10 @@ class RequestOutput(Struct, array_like=True):
     # On an acknowledgement: how the degradation ladder changed the request (e.g.
     # "max_tokens=64"), which the client is told in a header.
     degraded: str | None = None
+    # On the first output with tokens, for traces: seconds from arrival to the first step,
+    # and the prompt tokens the prefix cache held.
+    queued_s: float | None = None
+    cached_tokens: int | None = None
 
 
 class EngineOutputs(Struct, tag=True):
@@ -125,6 +129,14 @@ class EngineStats(Struct, tag=True, kw_only=True):
     degraded_requests: int = 0  # capped or refused by the ladder, in all
     breaker: str = "closed"  # the frontend's circuit breaker (BreakerState)
     breaker_rejected: int = 0
+    # For autoscalers (scheduler/signals.py): the queue's drain time at the measured rate,
+    # requests arrived a second, the best rates served lately, and the arrival rate forecast
+    # at each horizon (seconds ahead, as text) in requests a second.
+    queue_drain_s: float = 0.0
+    arrival_rate: float = 0.0
+    capacity_tokens_s: float = 0.0
+    capacity_requests_s: float = 0.0
+    forecast: dict[str, float] = {}
 
 
 class EngineHealth(Struct, tag=True):

@@ -42,8 +42,8 @@ def descendants(pid: int) -> set[int]:
 
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, dtype: str = "float32",
-                 kv_cache_memory: str = "256MiB") -> None:
-        self.port = free_port()
+                 kv_cache_memory: str = "256MiB", port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="surge-test-", suffix=".log")
