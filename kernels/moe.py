@@ -1,0 +1,29 @@
+"""Mixture-of-experts products, the reference: the token-expert pairs grouped by expert, one
+gated-MLP product per expert (the oracle of kernels/moe_triton.py's grouped GEMM).
+
+Layouts: x [T, H]; w13 [E, 2F, H] (each expert's gate rows, then its up rows); w2 [E, H, F];
+weights and experts [T, top_k], an expert -1 being one this rank does not hold (its pair adds
+nothing here).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+              ) -> torch.Tensor:
+    """sum over each token's experts e of weight * w2[e] @ (act(gate) * up)."""
+    out = torch.zeros_like(x)
+    flat = experts.flatten()
+    top_k = experts.shape[1]
+    for e in flat.unique().tolist():
+        if e < 0:
+            continue
+        pairs = (flat == e).nonzero()[:, 0]
+        tokens = pairs // top_k
+        gate, up = (x[tokens] @ w13[e].T).chunk(2, dim=-1)
+        y = (act(gate) * up) @ w2[e].T
+        out.index_add_(0, tokens, y * weights.flatten()[pairs, None])
+    return out
