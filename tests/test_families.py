@@ -47,12 +47,15 @@ def test_switches_follow_the_family(family):
     name, model, _, _ = family
     cfg = model.cfg
     assert cfg.qkv_bias == (name == "qwen2")
-    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe"))
     assert cfg.sandwich_norms == name.startswith("gemma")
     assert (cfg.sliding_window == WINDOW) == (name in ("mistral", "gemma2", "gemma3"))
     if name.startswith("gemma"):  # alternating windowed and global layers
         assert cfg.window_layers == [True, False]
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3" else None)
+    assert cfg.num_experts == {"qwen3_moe": 8, "mixtral": 4}.get(name, 0)
+    assert cfg.moe_renormalize == (name == "mixtral")
+    assert cfg.dense_layers == ([1] if name == "qwen3_moe" else [])
 
 
 def test_each_prompt_alone_matches_generate(family):

@@ -1,5 +1,5 @@
 """A tiny random model of each family surge serves, its quirks switched on, saved as a Hugging
-Face safetensors folder: 2 layers, hidden 64, 4 query heads over 2 KV heads."""
+Face safetensors folder: 2 layers (Qwen3-MoE: 3), hidden 64, 4 query heads over 2 KV heads."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                                 rope_theta=1e6),
                                             sliding_attention=dict(rope_type="default",
                                                                    rope_theta=1e4)))),
+    # 8 experts, top-2 weights as softmaxed (norm_topk_prob off), the middle layer dense.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=False, mlp_only_layers=[1])),
+    # 4 experts, top-2 weights renormalised to sum to 1.
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def save_tiny(folder: str, family: str, seed: int = 0) -> None:
