@@ -1,5 +1,6 @@
 """Each model family against transformers' own implementation of it: greedy tokens alone, batched,
-with chunked prefill and from the prefix cache, and log-probabilities, in float32."""
+with chunked prefill, from the prefix cache and after preemption, and log-probabilities, in
+float32."""
 
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def test_batched_chunked_and_cached_match_generate(family, options):
     assert engine.scheduler.blocks.hit_tokens > 0
     if "block_size" in options:
         assert max(len(d) for _, d in engine.step_times) > 1
+
+
+def test_preempted_sequences_match_generate(family):
+    """A cache too small for every prompt at once: sequences are preempted and recomputed."""
+    _, model, _, expected = family
+    engine = InProcessEngine(model, num_blocks=24, block_size=4)
+    for name, ids in _prompts().items():
+        engine.add(name, ids, N_TOKENS)
+    assert engine.run() == expected
+    assert engine.scheduler.num_preemptions > 0
 
 
 @torch.inference_mode()
