@@ -12,7 +12,7 @@ from surge.model_files import ModelFiles, gguf_metadata, hf_config
 # Hugging Face model_type values, and GGUF general.architecture values.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
                "qwen3_moe")
-GGUF_FAMILIES = ("llama",)
+GGUF_FAMILIES = ("llama", "qwen3moe")  # Mixtral is "llama" with expert_count
 # Their RMSNorms multiply by (1 + w): the weights are stored as w.
 _PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
 # MLP activations (hidden_act / hidden_activation) -> LlamaConfig.activation.
@@ -133,10 +133,12 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
         scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
                    "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     vocab = meta.get(f"{arch}.vocab_size")
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    ff = int(meta[f"{arch}.feed_forward_length"])
     return LlamaConfig(
         vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
         hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        intermediate_size=ff,
         num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
@@ -146,4 +148,11 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
         rope_scaling=scaling,
         max_position_embeddings=int(meta[f"{arch}.context_length"]),
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
+        qk_norm=arch == "qwen3moe",
+        num_experts=experts,
+        experts_per_token=int(meta.get(f"{arch}.expert_used_count", 0)),
+        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", ff)) if experts
+        else 0,
+        # llama.cpp renormalises both families' top-k weights unless the file says otherwise.
+        moe_renormalize=bool(meta.get(f"{arch}.expert_weights_norm", True)),
     )

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gpu_workers.families import read_family
+from gpu_workers.families import architecture, read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
@@ -35,7 +35,13 @@ _GGUF_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+# Every expert's weights of a layer stacked in one tensor [experts, rows, columns].
+_GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -93,8 +99,9 @@ def _gguf_file_tensors(path: str) -> list[Any]:
     return tensors
 
 
-def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
-    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized."""
+def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, permuted: bool) -> Tensors:
+    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized
+    (permuted: Q/K rows in llama.cpp's rotary order, as its converter writes Llama's)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -102,6 +109,13 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
                  disable=not show_progress()):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         short = m.group(2) if m else t.name
+        if m and short in _GGUF_EXPERTS:
+            stacked = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type),
+                                                dtype=np.float32))
+            name = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[short]}.weight"
+            for e, w in enumerate(stacked):
+                yield name.format(e), w, None
+            continue
         if short not in _GGUF_NAMES:
             continue
         name = _GGUF_NAMES[short]
@@ -111,7 +125,7 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
         blocks = (_q4_1_blocks(np.asarray(t.data), w.shape[0])
                   if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None)
         heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}.get(short)
-        if heads:
+        if heads and permuted:
             w = _unpermute(w, heads)
             blocks = blocks and (_unpermute(blocks[0], heads), _unpermute(blocks[1], heads))
         yield name, w, blocks
@@ -246,7 +260,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         cfg.tie_word_embeddings = "output.weight" not in names
         if not cfg.vocab_size:
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
-        tensors = _gguf_tensors(found, cfg)
+        tensors = _gguf_tensors(found, cfg, permuted=architecture(files) == "llama")
     else:
         tensors = _mixtral_renamed(_unfused(_safetensors(files.folder), cfg))
     with torch.device("meta"):
@@ -292,15 +306,15 @@ def _expected_names(cfg: LlamaConfig, tp: TensorParallel) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
-    per_layer = [n for n in _GGUF_NAMES.values()
-                 if not n.startswith(("model.", "lm_head", "mlp."))]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
     if cfg.sandwich_norms:
         per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     if cfg.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    dense = [n for n in _GGUF_NAMES.values() if n.startswith("mlp.")]
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     experts = expert_names(cfg.num_experts, tp)
     for i in range(cfg.num_layers):
         mlp = experts if cfg.num_experts and i not in cfg.dense_layers else dense
