@@ -76,7 +76,9 @@ def _time(fn, reps: int) -> float:
 @torch.inference_mode()
 def per_step(moe_folder: str, dense_folder: str, device: torch.device) -> dict:
     """ms per MLP block forward, by batch tokens and path (the dense MLP unpacked, as the
-    experts are)."""
+    experts are), on one thread as a CPU worker of a 2-core machine runs."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     dtype = pick_dtype(ModelConfig(), device)  # the serving dtype
     moe = load_model(resolve_model(moe_folder), device, dtype).layers[0].mlp
     dense = load_model(resolve_model(dense_folder), device, dtype).layers[0].mlp

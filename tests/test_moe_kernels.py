@@ -50,6 +50,15 @@ def test_reference_is_the_dense_mixture(held: int | None) -> None:
                                _dense(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_reference_in_bfloat16_pads_rows_without_changing_them() -> None:
+    """bfloat16 on the CPU runs each expert on row counts rounded up; the rows are unchanged."""
+    x, w13, w2, weights, ids = (t.bfloat16() if t.is_floating_point() else t
+                                for t in _case(37, 4, 2))
+    got = moe.fused_moe(x, w13, w2, weights, ids, F.silu).float()
+    want = _dense(*(t.float() if t.is_floating_point() else t for t in (x, w13, w2, weights, ids)))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_sorted_pairs_group_each_expert_in_whole_blocks() -> None:
     ids = torch.tensor([[2, 0], [2, -1], [1, 2], [-1, -1]])
     order = moe_triton.sort_pairs(ids, 4, block_m=4)
