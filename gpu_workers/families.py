@@ -10,8 +10,9 @@ from kernels.rotary import SCALINGS
 from surge.model_files import ModelFiles, context_length, gguf_metadata, hf_config
 
 # Hugging Face model_type values, and GGUF general.architecture values.
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-GGUF_FAMILIES = ("llama",)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+               "qwen3_moe")
+GGUF_FAMILIES = ("llama", "qwen3moe")  # Mixtral is "llama" with expert_count
 # Their RMSNorms multiply by (1 + w): the weights are stored as w.
 _PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
 # MLP activations (hidden_act / hidden_activation) -> LlamaConfig.activation.
@@ -100,8 +101,8 @@ def config_from_hf(c: Any) -> LlamaConfig:
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         max_position_embeddings=context_length(c.max_position_embeddings, rope),
         tie_word_embeddings=c.tie_word_embeddings,
-        qkv_bias=kind == "qwen2" or (kind == "qwen3" and c.attention_bias),
-        qk_norm=kind in ("qwen3", "gemma3_text"),
+        qkv_bias=kind == "qwen2" or (kind in ("qwen3", "qwen3_moe") and c.attention_bias),
+        qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         sandwich_norms=gemma,
         activation=_ACTIVATIONS[act],
         embed_scale=c.hidden_size**0.5 if gemma else 1.0,
@@ -111,7 +112,23 @@ def config_from_hf(c: Any) -> LlamaConfig:
         sliding_window=window if any(windowed) else 0,
         window_layers=windowed if window and any(windowed) else [],
         local_rope_theta=local_theta,
+        **_experts_from_hf(c),
     )
+
+
+def _experts_from_hf(c: Any) -> dict:
+    """Mixtral's and Qwen3-MoE's experts as LlamaConfig's MoE fields (none for other families)."""
+    if c.model_type == "mixtral":
+        return dict(num_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
+                    moe_intermediate_size=c.intermediate_size, moe_renormalize=True)
+    if c.model_type != "qwen3_moe":
+        return {}
+    # A layer is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
+    dense = [i for i in range(c.num_hidden_layers)
+             if i in c.mlp_only_layers or (i + 1) % c.decoder_sparse_step]
+    return dict(num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+                moe_renormalize=c.norm_topk_prob, dense_layers=dense)
 
 
 def config_from_gguf(meta: dict) -> LlamaConfig:
@@ -123,10 +140,12 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
         scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
                    "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     vocab = meta.get(f"{arch}.vocab_size")
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    ff = int(meta[f"{arch}.feed_forward_length"])
     return LlamaConfig(
         vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
         hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        intermediate_size=ff,
         num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
@@ -136,4 +155,11 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
         rope_scaling=scaling,
         max_position_embeddings=int(meta[f"{arch}.context_length"]),
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
+        qk_norm=arch == "qwen3moe",
+        num_experts=experts,
+        experts_per_token=int(meta.get(f"{arch}.expert_used_count", 0)),
+        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", ff)) if experts
+        else 0,
+        # llama.cpp renormalises both families' top-k weights unless the file says otherwise.
+        moe_renormalize=bool(meta.get(f"{arch}.expert_weights_norm", True)),
     )

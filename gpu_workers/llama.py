@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM, ...) over a flattened batch and a paged KV cache, and the
-families that differ from it in small ways (Qwen2/3, Mistral, Phi-3, Gemma 2/3): each difference
-is one switch of LlamaConfig, set from the checkpoint by gpu_workers/families.py."""
+families that differ from it in small ways (Qwen2/3, Mistral, Phi-3, Gemma 2/3, and with
+mixtures of experts Mixtral and Qwen3-MoE): each difference is one switch of LlamaConfig, set
+from the checkpoint by gpu_workers/families.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from msgspec import Struct
 from torch import nn
 
 import kernels
+from gpu_workers.moe import MoE
 from gpu_workers.parallel import TensorParallel
 from kernels import Kernels
 
@@ -40,6 +42,13 @@ class LlamaConfig(Struct, kw_only=True):
     sliding_window: int = 0  # keys a windowed layer's query sees, itself included
     window_layers: list[bool] = msgspec.field(default_factory=list)  # per layer; empty: none
     local_rope_theta: float = 0.0  # Gemma 3: the windowed layers' rotary base (0: one rope)
+    # Mixtral, Qwen3-MoE: each layer's MLP is num_experts gated MLPs of moe_intermediate_size
+    # columns, experts_per_token of them per token (0 experts: a dense MLP).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = False  # the top-k weights rescaled to sum to 1 (Mixtral's way)
+    dense_layers: list[int] = msgspec.field(default_factory=list)  # Qwen3-MoE's mlp_only_layers
 
     @property
     def reach(self) -> int:
@@ -181,7 +190,10 @@ class DecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.attn = Attention(cfg, tp, cfg.sliding_window if windowed else 0)
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.mlp = MLP(cfg, tp)
+        self.mlp = (MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                        cfg.experts_per_token, cfg.moe_renormalize, ACTIVATIONS[cfg.activation],
+                        tp)
+                    if cfg.num_experts and index not in cfg.dense_layers else MLP(cfg, tp))
         sandwich = cfg.sandwich_norms
         self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if sandwich else None
         self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if sandwich else None
@@ -198,7 +210,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             x = ops.rms_norm(x, self.attn_out_norm, self.eps)
         x, residual = ops.add_rms_norm(x, residual, self.mlp_norm, self.eps)
-        x = self.mlp(x)
+        x = self.mlp(x, ops) if isinstance(self.mlp, MoE) else self.mlp(x)
         if self.mlp_out_norm is not None:
             x = ops.rms_norm(x, self.mlp_out_norm, self.eps)
         return x, residual

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gpu_workers.families import read_family
+from gpu_workers.families import architecture, read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
+from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
 from surge.gguf_header import GGUFHeaderError, read_header
 from surge.log import show_progress
@@ -34,7 +35,13 @@ _GGUF_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+# Every expert's weights of a layer stacked in one tensor [experts, rows, columns].
+_GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -92,8 +99,9 @@ def _gguf_file_tensors(path: str) -> list[Any]:
     return tensors
 
 
-def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
-    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized."""
+def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, permuted: bool) -> Tensors:
+    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized
+    (permuted: Q/K rows in llama.cpp's rotary order, as its converter writes Llama's)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -101,6 +109,13 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
                  disable=not show_progress()):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         short = m.group(2) if m else t.name
+        if m and short in _GGUF_EXPERTS:
+            stacked = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type),
+                                                dtype=np.float32))
+            name = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[short]}.weight"
+            for e, w in enumerate(stacked):
+                yield name.format(e), w, None
+            continue
         if short not in _GGUF_NAMES:
             continue
         name = _GGUF_NAMES[short]
@@ -110,7 +125,7 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig) -> Tensors:
         blocks = (_q4_1_blocks(np.asarray(t.data), w.shape[0])
                   if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None)
         heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}.get(short)
-        if heads:
+        if heads and permuted:
             w = _unpermute(w, heads)
             blocks = blocks and (_unpermute(blocks[0], heads), _unpermute(blocks[1], heads))
         yield name, w, blocks
@@ -148,6 +163,18 @@ def _unfused(tensors: Tensors, cfg: LlamaConfig) -> Tensors:
             yield f"{module}.{part}.{kind}", piece, tuple(grid) or None
 
 
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_renamed(tensors: Tensors) -> Tensors:
+    """Mixtral's block_sparse_moe weights under the names Qwen3-MoE gives the same ones."""
+    for name, w, blocks in tensors:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = re.sub(r"\.experts\.(\d+)\.(w[123])\.",
+                      lambda m: f".experts.{m.group(1)}.{_MIXTRAL_EXPERT[m.group(2)]}.", name)
+        yield name, w, blocks
+
+
 def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | None:
     """HF parameter name -> (our tensor, row offset into it) on this rank; None for tensors we
     do not use."""
@@ -162,20 +189,23 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
     if not m:
         return None
     layer = model.layers[int(m.group(1))]
-    # This rank's widths, as its layers were built.
     attn, mlp = layer.attn, layer.mlp
+    if isinstance(mlp, MoE) and m.group(2).startswith("mlp."):
+        return mlp.place(m.group(2))
+    # This rank's widths, as its layers were built.
     q, kv = attn.num_heads * cfg.head_dim, attn.num_kv_heads * cfg.head_dim
-    ff = mlp.down_proj.in_features
     places = {
         "input_layernorm.weight": (layer.input_norm, 0),
         "self_attn.q_proj.weight": (attn.qkv_proj.weight, 0),
         "self_attn.k_proj.weight": (attn.qkv_proj.weight, q),
         "self_attn.v_proj.weight": (attn.qkv_proj.weight, q + kv),
         "self_attn.o_proj.weight": (attn.o_proj.weight, 0),
-        "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0),
-        "mlp.up_proj.weight": (mlp.gate_up_proj.weight, ff),
-        "mlp.down_proj.weight": (mlp.down_proj.weight, 0),
     }
+    if not isinstance(mlp, MoE):
+        ff = mlp.down_proj.in_features
+        places |= {"mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0),
+                   "mlp.up_proj.weight": (mlp.gate_up_proj.weight, ff),
+                   "mlp.down_proj.weight": (mlp.down_proj.weight, 0)}
     if cfg.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention's output
         places |= {"post_attention_layernorm.weight": (layer.attn_out_norm, 0),
                    "pre_feedforward_layernorm.weight": (layer.mlp_norm, 0),
@@ -195,6 +225,8 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
 def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
     """The part of a full weight (`name` is its Hugging Face per-layer suffix) rank tp.rank
     holds: output rows of column-parallel layers, input columns of row-parallel ones."""
+    if EXPERT_WEIGHT.fullmatch(name):
+        return shard_expert(name, w, tp)
     if tp.size == 1:
         return w
     d = cfg.head_dim
@@ -228,12 +260,15 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         cfg.tie_word_embeddings = "output.weight" not in names
         if not cfg.vocab_size:
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
-        tensors = _gguf_tensors(found, cfg)
+        tensors = _gguf_tensors(found, cfg, permuted=architecture(files) == "llama")
     else:
-        tensors = _unfused(_safetensors(files.folder), cfg)
+        tensors = _mixtral_renamed(_unfused(_safetensors(files.folder), cfg))
     with torch.device("meta"):
         model = LlamaModel(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.load.zero_()  # to_empty left it unset
     filled: set[str] = set()
     owners = {id(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
     with torch.no_grad():
@@ -249,7 +284,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             filled.add(name)
             if keep_q4_1 and blocks is not None and model.tp.size == 1 and id(tensor) in owners:
                 _keep_blocks(owners[id(tensor)], row, blocks)
-    if missing := _expected_names(cfg) - filled:
+    if missing := _expected_names(cfg, model.tp) - filled:
         raise ValueError(f"weights missing from {files.path}: {sorted(missing)[:5]}")
     model.init_rope()
     return model.eval()
@@ -266,16 +301,22 @@ def _keep_blocks(linear: torch.nn.Linear, row: int, blocks: Blocks) -> None:
     linear.q4_1[1, row : row + mins.shape[0]] = mins
 
 
-def _expected_names(cfg: LlamaConfig) -> set[str]:
+def _expected_names(cfg: LlamaConfig, tp: TensorParallel) -> set[str]:
+    """The weights this rank's model is filled from."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
-    per_layer = [n for n in _GGUF_NAMES.values() if not n.startswith(("model.", "lm_head"))]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
     if cfg.sandwich_norms:
         per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     if cfg.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer)
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    experts = expert_names(cfg.num_experts, tp)
+    for i in range(cfg.num_layers):
+        mlp = experts if cfg.num_experts and i not in cfg.dense_layers else dense
+        names.update(f"model.layers.{i}.{n}" for n in per_layer + mlp)
     return names

@@ -1,5 +1,6 @@
-"""Tensor parallelism: which heads and MLP columns a rank holds, and the one collective per
-block (an all-reduce after each row-parallel projection)."""
+"""Tensor parallelism: which heads and MLP columns (or, with expert parallelism, which whole
+experts) a rank holds, and the one collective per block (an all-reduce after each row-parallel
+projection)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ class TensorParallel(Struct, frozen=True):
 
     rank: int = 0
     size: int = 1
+    # Mixture-of-experts layers: whole experts on each rank instead of a slice of every one.
+    expert_parallel: bool = False
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` heads or columns, which must divide evenly."""

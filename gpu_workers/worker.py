@@ -18,6 +18,7 @@ from gpu_workers.draft import shares_layers, truncated
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
+from gpu_workers.moe import take_expert_load
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
@@ -98,6 +99,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
                 result.compute_s = time.perf_counter() - started
                 result.forward_s, result.wait_s = runner.forward_s, wait_s
                 results.send(encode(result))
+                _count_expert_load(runner.model)
             pending = None
             idle_since = time.perf_counter()
 
@@ -132,7 +134,7 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
 def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
           ) -> tuple[ModelRunner, WorkerReady]:
     device = place(cfg.model, rank)
-    tp = TensorParallel(rank, cfg.model.tensor_parallel_size)
+    tp = TensorParallel(rank, cfg.model.tensor_parallel_size, cfg.model.enable_expert_parallel)
     init_group(tp, device, f"{runtime_dir}/tp-{generation}")
     dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
@@ -170,7 +172,12 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
                          matchers=Matchers(runtime_dir, model.cfg.vocab_size) if rank == 0
                          else None)
     runner.warm_up()
+    take_expert_load(model)  # the warm-up's routing is nobody's load
+    for expert in range(model.cfg.num_experts if rank == 0 else 0):
+        metrics.moe_expert_tokens.labels(str(expert))  # every expert's series from the start
     split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
+    if tp.size > 1 and model.cfg.num_experts:
+        split += ", expert parallel" if tp.expert_parallel else ", experts sliced over ranks"
     if cuda:
         split += (f", CUDA graphs for decode batches up to {graphs}" if graphs
                   else ", no CUDA graphs")
@@ -186,6 +193,13 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     window = 0 if own_cache else model.cfg.reach
     return runner, WorkerReady(rank=rank, num_blocks=num_blocks, block_size=block_size,
                                description=description, kernels=str(ops), window=window)
+
+
+def _count_expert_load(model: LlamaModel) -> None:
+    """The tokens each expert was routed since the last step, into surge_moe_expert_tokens."""
+    for expert, tokens in enumerate(take_expert_load(model) or ()):
+        if tokens:
+            metrics.moe_expert_tokens.labels(str(expert)).inc(tokens)
 
 
 def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,

@@ -34,6 +34,10 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="ranks the model is split over, one process per GPU "
                   "(0: one per visible GPU; 1 on the CPU, where gloo joins any number)")
     ] = 0
+    enable_expert_parallel: Annotated[
+        bool, Meta(description="mixture-of-experts models over several ranks: each rank holds "
+                   "whole experts (an even share of them) instead of a slice of every expert")
+    ] = False
     devices: Annotated[
         str | None, Meta(description="comma-separated CUDA devices for the ranks, as "
                          "CUDA_VISIBLE_DEVICES names them (indices, GPU-... or MIG-... UUIDs)")

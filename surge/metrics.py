@@ -143,6 +143,8 @@ step_time = Histogram("surge_worker_step_seconds", "a worker's time per step",
                       ["rank"], buckets=STEP_BUCKETS)
 device_memory = Gauge("surge_device_memory_bytes", "device memory allocated by torch",
                       ["rank"], multiprocess_mode="livemax")
+moe_expert_tokens = Counter("surge_moe_expert_tokens", "tokens routed to each expert of a "
+                            "mixture-of-experts model, summed over its MoE layers", ["expert"])
 
 
 # Our name -> vLLM's, for --metrics-compat vllm (and the README's table). Labels other than

@@ -1,5 +1,6 @@
 """Each model family against transformers' own implementation of it: greedy tokens alone, batched,
-with chunked prefill and from the prefix cache, and log-probabilities, in float32."""
+with chunked prefill, from the prefix cache and after preemption, and log-probabilities, in
+float32."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_switches_follow_the_family(family):
     name, model, _, _ = family
     cfg = model.cfg
     assert cfg.qkv_bias == name.startswith("qwen2")
-    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe"))
     assert cfg.sandwich_norms == name.startswith("gemma")
     assert (cfg.sliding_window == WINDOW) == (name in ("mistral", "gemma2", "gemma3"))
     if name.startswith("gemma"):  # alternating windowed and global layers
@@ -58,6 +59,9 @@ def test_switches_follow_the_family(family):
     # dynamic and yarn serve past the original context, as vLLM counts it
     assert cfg.max_position_embeddings == {"llama-dynamic": 2 * ORIGINAL,
                                            "qwen2-yarn": 4 * ORIGINAL}.get(name, 512)
+    assert cfg.num_experts == {"qwen3_moe": 8, "mixtral": 4}.get(name, 0)
+    assert cfg.moe_renormalize == (name == "mixtral")
+    assert cfg.dense_layers == ([1] if name == "qwen3_moe" else [])
 
 
 def test_each_prompt_alone_matches_generate(family):
@@ -88,6 +92,16 @@ def test_batched_chunked_and_cached_match_generate(family, options):
     assert engine.scheduler.blocks.hit_tokens > 0
     if "block_size" in options:
         assert max(len(d) for _, d in engine.step_times) > 1
+
+
+def test_preempted_sequences_match_generate(family):
+    """A cache too small for every prompt at once: sequences are preempted and recomputed."""
+    _, model, _, expected = family
+    engine = InProcessEngine(model, num_blocks=24, block_size=4)
+    for name, ids in _prompts().items():
+        engine.add(name, ids, N_TOKENS)
+    assert engine.run() == expected
+    assert engine.scheduler.num_preemptions > 0
 
 
 @torch.inference_mode()

@@ -23,7 +23,7 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
-               quantization: str) -> None:
+               quantization: str, expert_parallel: bool, n_tokens: int) -> None:
     """One rank: join the group, load its shard, serve every prompt with the in-process
     scheduler (each rank plans the same steps; rank 0 samples and broadcasts)."""
     from gpu_workers.loader import load_model
@@ -32,7 +32,7 @@ def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
     from tests.inprocess import InProcessEngine
 
     torch.set_num_threads(1)
-    tp = TensorParallel(rank, size)
+    tp = TensorParallel(rank, size, expert_parallel)
     init_group(tp, torch.device("cpu"), store)
     model = load_model(resolve_model(folder), torch.device("cpu"), torch.float32, tp)
     if quantization != "none":
@@ -41,16 +41,18 @@ def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
         quantize_model(model, quantization, 32)
     engine = InProcessEngine(model, block_size=4, max_num_batched_tokens=32)
     for name, ids in _prompts().items():
-        engine.add(name, ids, N_TOKENS)
+        engine.add(name, ids, n_tokens)
     out.put((rank, engine.run()))
 
 
-def _run_group(size: int, folder: str, tmp_path, quantization: str = "none"
+def _run_group(size: int, folder: str, tmp_path, quantization: str = "none",
+               expert_parallel: bool = False, n_tokens: int = N_TOKENS
                ) -> dict[int, dict[str, list[int]]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path / f"store-{size}-{quantization}")
-    procs = [ctx.Process(target=_rank_main, args=(r, size, folder, store, out, quantization))
+    procs = [ctx.Process(target=_rank_main, args=(r, size, folder, store, out, quantization,
+                                                  expert_parallel, n_tokens))
              for r in range(size)]
     for p in procs:
         p.start()

@@ -1,5 +1,5 @@
 """A tiny random model of each family surge serves, its quirks switched on, saved as a Hugging
-Face safetensors folder: 2 layers, hidden 64, 4 query heads over 2 KV heads."""
+Face safetensors folder: 2 layers (Qwen3-MoE: 3), hidden 64, 4 query heads over 2 KV heads."""
 
 from __future__ import annotations
 
@@ -40,10 +40,18 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                                 rope_theta=1e6),
                                             sliding_attention=dict(rope_type="default",
                                                                    rope_theta=1e4)))),
+    # 8 experts, top-2 weights as softmaxed (norm_topk_prob off), the middle layer dense.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=False, mlp_only_layers=[1])),
+    # 4 experts, top-2 weights renormalised to sum to 1.
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def save_tiny(folder: str, family: str, seed: int = 0) -> None:
+def save_tiny(folder: str, family: str, seed: int = 0, **overrides: object) -> None:
+    """overrides: config fields over the family's tiny ones (e.g. a larger vocab_size)."""
     import transformers
 
     cls, quirks = FAMILIES[family]
@@ -51,7 +59,7 @@ def save_tiny(folder: str, family: str, seed: int = 0) -> None:
         **dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                bos_token_id=0, eos_token_id=255),
-        **quirks})
+        **quirks, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     # Every weight random (biases and norms too, which start as 0 or 1), larger than the default
@@ -65,3 +73,13 @@ def save_tiny(folder: str, family: str, seed: int = 0) -> None:
                 std = 0.02 if "embed" in name else 2 * std
             p.normal_(1.0 if "norm" in name and not gemma else 0.0, std)
     model.save_pretrained(folder, safe_serialization=True)
+
+
+def save_tiny_served(folder: str, family: str, **overrides: object) -> None:
+    """A tiny model `surge serve` can serve: the bundled model's vocabulary, its tokenizer
+    files saved beside the weights."""
+    from server.tokenizer import Tokenizer
+    from surge.model_files import tokenizer_files
+
+    save_tiny(folder, family, **{"vocab_size": 49152, "eos_token_id": 2, **overrides})
+    Tokenizer(tokenizer_files("default", None)).hf.save_pretrained(folder)
