@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.prompts import CHAT
-from tests.server import ServerProcess
-from tests.test_shutdown import _descendants, _title
+from tests.server import ServerProcess, descendants
+from tests.test_shutdown import _title
 
 pytestmark = pytest.mark.slow
 PARIS = "The capital of France is Paris."
@@ -36,7 +36,7 @@ def server():
 
 
 def _processes(server: ServerProcess) -> dict[str, int]:
-    return {_title(p): p for p in _descendants(server.proc.pid)}
+    return {_title(p): p for p in descendants(server.proc.pid)}
 
 
 def _send(server: ServerProcess, kind: str, path: str, data: bytes,

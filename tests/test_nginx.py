@@ -18,8 +18,7 @@ import openai
 import pytest
 
 from tests.nginx import NginxProcess
-from tests.server import ServerProcess
-from tests.test_shutdown import _descendants
+from tests.server import ServerProcess, descendants
 from tests.test_tracing import Receiver
 
 pytestmark = pytest.mark.slow
@@ -198,7 +197,7 @@ def test_killed_node_fails_only_its_own_requests(cluster: Cluster) -> None:
     with ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(_stream, cluster, i, 64, progress) for i in range(8)]
         _when(lambda: min(progress) >= 2)
-        victims = _descendants(node.proc.pid) | {node.proc.pid}
+        victims = descendants(node.proc.pid) | {node.proc.pid}
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

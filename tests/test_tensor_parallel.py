@@ -169,10 +169,11 @@ def test_killed_rank_replaces_the_group_and_streams_finish_identically(split_ser
     """kill -9 rank 1 mid-stream: the other ranks are stopped, a new group of three starts, and
     every stream ends with the text of an undisturbed run."""
 
-    from tests.test_shutdown import _descendants, _streams, _title
+    from tests.server import descendants
+    from tests.test_shutdown import _streams, _title
 
     def ranks() -> dict[str, int]:
-        return {_title(p): p for p in _descendants(split_server.proc.pid)
+        return {_title(p): p for p in descendants(split_server.proc.pid)
                 if _title(p).startswith("surge: worker")}
 
     undisturbed = _streams(split_server, 6, 24)
