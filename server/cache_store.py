@@ -10,10 +10,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from surge import metrics
 
 log = logging.getLogger("surge.result_cache")
@@ -71,6 +67,12 @@ class RedisStore:
     each outage is logged once, when it starts, and once more when Redis answers again."""
 
     def __init__(self, url: str, ttl_s: float, timeout_s: float, retry_s: float) -> None:
+        # Imported here: redis pulls in the OpenTelemetry SDK, which a server without Redis
+        # (or without --otlp-traces-endpoint) should not load.
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
         self.where = url.split("@")[-1]  # no password in the logs
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.timeout_s = timeout_s
