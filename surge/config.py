@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from surge.config_frontend import BatchConfig, ResultCacheConfig
+
 
 class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[
@@ -338,71 +340,6 @@ class OverloadConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=1, description="judgements in a row that must find the engine calm "
                   "before a step is undone (an interval without arrivals proves little)")
     ] = 3
-
-
-class ResultCacheConfig(Struct, kw_only=True, forbid_unknown_fields=True):
-    """The frontend's exact-match result cache (server/result_cache.py)."""
-
-    result_cache: Annotated[
-        str, Meta(pattern=r"^(off|memory|rediss?://.+)$",
-                  description="answer repeated deterministic requests (temperature 0 or a "
-                  "seed) from a cache: off, memory (this process, LRU by bytes, TTL) or "
-                  "redis://HOST:PORT/DB (shared by several surge instances, TTL)")
-    ] = "off"
-    result_cache_max_bytes: Annotated[
-        int, Meta(ge=0, description="the memory backend's bound: least recently used entries "
-                  "go first past it")
-    ] = 256 * 2**20
-    result_cache_ttl_s: Annotated[
-        float, Meta(gt=0, description="how long an entry answers (both backends)")
-    ] = 3600.0
-    result_cache_shared: Annotated[
-        bool, Meta(description="share entries between tenants (by default each tenant sees "
-                   "only the answers computed for it)")
-    ] = False
-    result_cache_timeout_s: Annotated[
-        float, Meta(gt=0, description="longest a Redis call may take before the request goes "
-                    "to the engine instead")
-    ] = 0.25
-    result_cache_retry_s: Annotated[
-        float, Meta(gt=0, description="after a Redis error, requests go straight to the "
-                    "engine for this long before Redis is tried again")
-    ] = 2.0
-
-
-class BatchConfig(Struct, kw_only=True, forbid_unknown_fields=True):
-    """The Files + Batches API (frontend): where its state lives and how lines are fed."""
-
-    state_dir: Annotated[
-        str | None, Meta(description="files and batch state (SQLite) live here (unset: "
-                         "$STATE_DIRECTORY from systemd, else ~/.local/state/surge)")
-    ] = None
-    batch_priority: Annotated[
-        int, Meta(description="scheduler priority of batch lines (lower is more urgent); "
-                  "above every interactive default, so batches yield")
-    ] = 100
-    batch_max_in_flight: Annotated[
-        int, Meta(ge=1, description="batch lines submitted to the scheduler at once, all "
-                  "batches together")
-    ] = 8
-    batch_max_file_bytes: Annotated[
-        int, Meta(ge=1024, description="largest file upload")
-    ] = 100 * 2**20
-    batch_max_lines: Annotated[int, Meta(ge=1, description="most lines in one batch")] = 50_000
-    batch_retention_s: Annotated[
-        float, Meta(gt=0, description="files, and batches once finished, are removed after "
-                    "this long")
-    ] = 30 * 86400.0
-    webhook_max_attempts: Annotated[
-        int, Meta(ge=1, description="deliveries of one event before it is given up")
-    ] = 12
-    webhook_backoff_s: Annotated[
-        float, Meta(gt=0, description="wait before the first retry of an event; doubles "
-                    "after each failure, up to an hour")
-    ] = 1.0
-    webhook_timeout_s: Annotated[
-        float, Meta(gt=0, description="how long a receiver may take to answer")
-    ] = 10.0
 
 
 class AutoscaleConfig(Struct, kw_only=True, forbid_unknown_fields=True):
