@@ -11,10 +11,14 @@ from kernels import moe
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (Linux x86_64 only)")
 
-import kernels  # noqa: E402
-from gpu_workers.llama import LlamaConfig, LlamaModel  # noqa: E402
+from gpu_workers.llama import LlamaConfig  # noqa: E402
 from kernels import moe_triton  # noqa: E402
-from tests.test_triton_kernels import DEVICE, DTYPES, _close, _poisoned, _two_steps  # noqa: E402
+from tests.test_triton_kernels import (  # noqa: E402
+    DTYPES,
+    _close,
+    _poisoned,
+    triton_model_matches_reference,
+)
 
 
 def _case(tokens: int, experts: int, top_k: int, held: int | None = None, seed: int = 0
@@ -96,16 +100,5 @@ def test_moe_model_forward_matches_reference_kernels() -> None:
                       rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False,
                       num_experts=4, experts_per_token=2, moe_intermediate_size=32,
                       moe_renormalize=True)
-    torch.manual_seed(0)
-    model = LlamaModel(cfg)
-    for p in model.parameters():
-        p.normal_(0.0, 0.3)
-    model.to(DEVICE).init_rope()
-    model.ops = kernels.for_device(DEVICE, "triton")
+    model = triton_model_matches_reference(cfg)
     assert model.ops.fused_moe is moe_triton.fused_moe
-    got, got_cache = _two_steps(model, 4)
-    model.ops = kernels.for_device(DEVICE, "reference")
-    want, want_cache = _two_steps(model, 4)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_cache, want_cache, rtol=1e-4, atol=1e-4)

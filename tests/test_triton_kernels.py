@@ -225,16 +225,24 @@ def test_model_forward_matches_reference_kernels() -> None:
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
                       rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False)
+    model = triton_model_matches_reference(cfg)
+    assert model.ops.decode_attention is attention_triton.decode_attention
+
+
+def triton_model_matches_reference(cfg: LlamaConfig) -> LlamaModel:
+    """A random model of cfg through mixed steps gives the same hidden states and KV cache on
+    the Triton kernels as on the reference ones; the model, its ops the Triton bundle's."""
     torch.manual_seed(0)
     model = LlamaModel(cfg)
     for p in model.parameters():
         p.normal_(0.0, 0.3)
     model.to(DEVICE).init_rope()
-    model.ops = kernels.for_device(DEVICE, "triton")
-    assert model.ops.decode_attention is attention_triton.decode_attention
-    got, got_cache = _two_steps(model, 4)
+    triton = kernels.for_device(DEVICE, "triton")
     model.ops = kernels.for_device(DEVICE, "reference")
     want, want_cache = _two_steps(model, 4)
+    model.ops = triton
+    got, got_cache = _two_steps(model, 4)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_cache, want_cache, rtol=1e-4, atol=1e-4)
+    return model
