@@ -335,6 +335,7 @@ class ModelRunner:
             self.last_sampled[s.seq_id] = tokens[first + taken]
             if self.matchers is not None:
                 self.matchers.advance(s.seq_id, tokens[rows])
+                seqs[s.seq_id].grammar_error = self.matchers.failed.pop(s.seq_id, None)
         return StepResult(step.plan.step_id, seqs)
 
     def _start_matchers(self, plan: StepPlan) -> None:

@@ -398,6 +398,14 @@ class Scheduler(Intake):
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1
             self._settle_speculation(seq, item, new, plan.step_id, len(plan.seqs))
+            if new.grammar_error is not None:
+                # Its tokens were sampled under a constraint that no longer holds: none shown.
+                self._finish(seq)
+                outputs.append(RequestOutput(
+                    seq.request_id, [], "error", "the output constraint (response_format, "
+                    f"guided_* or tool_choice) failed while decoding: {new.grammar_error}; "
+                    "simplify it (smaller repetition counts, fewer alternatives)", status=400))
+                continue
             tokens, reason = new.token_ids, None
             for n, token in enumerate(tokens, 1):
                 seq.token_ids.append(token)

@@ -46,11 +46,11 @@ def constraint_of(body: CompletionRequest | ChatCompletionRequest,
               ("guided_choice", "choice", body.guided_choice),
               ("guided_grammar", "grammar", body.guided_grammar)]
     if so is not None:
-        fields += [("structured_outputs", "json_schema", so.json),
-                   ("structured_outputs", "regex", so.regex),
-                   ("structured_outputs", "choice", so.choice),
-                   ("structured_outputs", "grammar", so.grammar),
-                   ("structured_outputs", "json_schema", {"type": "object"}
+        fields += [("structured_outputs.json", "json_schema", so.json),
+                   ("structured_outputs.regex", "regex", so.regex),
+                   ("structured_outputs.choice", "choice", so.choice),
+                   ("structured_outputs.grammar", "grammar", so.grammar),
+                   ("structured_outputs.json_object", "json_schema", {"type": "object"}
                     if so.json_object else None)]
     for param, kind, spec in fields:
         if spec is not None:

@@ -74,6 +74,7 @@ class Matchers:
         self.vocab = vocab
         self.words = (vocab + 31) // 32
         self.by_seq: dict[int, Any] = {}
+        self.failed: dict[int, str] = {}  # seq_id -> why its matcher gave up, until reported
         self._tokenizer: Any = None
         self._executor: Any = None
 
@@ -107,6 +108,7 @@ class Matchers:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.by_seq.pop(seq_id, None)
+            self.failed.pop(seq_id, None)
 
     def advance(self, seq_id: int, tokens: list[int]) -> None:
         matcher = self.by_seq.get(seq_id)
@@ -115,12 +117,14 @@ class Matchers:
             self._check(seq_id)
 
     def _check(self, seq_id: int) -> None:
+        """A matcher in error (a limit of the engine met lazily, e.g. a regex too large to
+        build, or a mask not honoured) leaves: its sequence must end, never go on unconstrained."""
         matcher = self.by_seq[seq_id]
         if matcher.is_error():
-            # Only when a mask was not honoured (a stop token banned by the grammar's only
-            # choice): the sequence goes on unconstrained rather than failing the step.
-            log.warning("grammar of sequence %d failed, it goes on unconstrained: %s", seq_id,
-                        matcher.get_error())
+            # Its first line says why; the rest is the engine's state and the whole grammar.
+            why = matcher.get_error().strip().splitlines()[0]
+            log.warning("grammar of sequence %d failed: %s", seq_id, why)
+            self.failed[seq_id] = why
             del self.by_seq[seq_id]
 
     def bitmask(self, rows: list[tuple[int, int, list[int]]]) -> tuple[list[int], torch.Tensor]:

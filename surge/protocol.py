@@ -228,6 +228,8 @@ class SeqResult(Struct, array_like=True):
     token_ids: list[int]  # the proposals it accepted, if any, then the model's own next token
     logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
     draft: list[int] = []  # the draft model's proposals for the next step
+    # The output constraint failed (the grammar engine gave up on this sequence): it ends.
+    grammar_error: str | None = None
 
 
 class StepResult(Struct, tag=True):

@@ -99,6 +99,42 @@ def test_the_scheduler_sends_a_grammar_once_per_computation_and_releases_it():
     assert sched.schedule().released == [seq.seq_id]  # it reached max_tokens
 
 
+@pytest.mark.slow
+def test_a_grammar_that_fails_while_decoding_is_reported_not_dropped(matchers, tokenizer):
+    """llguidance builds a regex lazily: one too large fails only after some tokens. The
+    sequence's matcher leaves and the failure waits to be reported, so the request ends
+    rather than going on unconstrained."""
+    matchers.start(20, compile_grammar("regex", "(a|aa)*b{1000000}"), [])
+    bb = tokenizer.hf.encode("bb", add_special_tokens=False)
+    assert len(bb) == 1
+    for _ in range(8):
+        if 20 not in matchers:
+            break
+        matchers.bitmask([(20, 0, [])])  # as each step does before sampling
+        matchers.advance(20, bb)
+    assert 20 not in matchers
+    assert matchers.failed[20] == "lexer error: too many expressions constructed"
+    matchers.release([20])
+    assert 20 not in matchers.failed
+
+
+def test_a_failed_grammar_ends_its_request_with_a_400():
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), 64)
+    sched.add(EngineRequest(request_id="g", prompt_token_ids=[5, 6, 7], grammar="G",
+                            sampling=SamplingParams(max_tokens=8), arrival_time=0.0))
+    sched.add(EngineRequest(request_id="f", prompt_token_ids=[5, 6], arrival_time=0.0,
+                            sampling=SamplingParams(max_tokens=8)))
+    plan = sched.schedule()
+    seq_id, free_id = [s.seq_id for s in plan.seqs]
+    out, free = sched.update(plan, StepResult(plan.step_id, {
+        seq_id: SeqResult([9], grammar_error="lexer error: too many expressions"),
+        free_id: SeqResult([9])}))
+    assert free.finish_reason is None and free.new_token_ids == [9]
+    assert (out.finish_reason, out.status, out.new_token_ids) == ("error", 400, [])
+    assert "too many expressions" in out.error and "response_format" in out.error
+    assert "g" not in sched.requests
+    assert sched.schedule().released == [seq_id]  # the worker drops its matcher
+
 def _body(kind: type, **fields) -> CompletionRequest | ChatCompletionRequest:
     base = {"prompt": "hi"} if kind is CompletionRequest else \
         {"messages": [{"role": "user", "content": "hi"}]}
@@ -117,3 +153,6 @@ def test_request_fields_to_one_constraint():
         constraint_of(_body(CompletionRequest, guided_regex="a",
                             response_format={"type": "json_object"}))
     assert e.value.param == "guided_regex"
+    with pytest.raises(ApiError, match="structured_outputs.json and structured_outputs.regex"):
+        constraint_of(_body(CompletionRequest, structured_outputs={"json": {"type": "object"},
+                                                                   "regex": "a"}))

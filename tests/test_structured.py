@@ -155,6 +155,17 @@ def test_constraints_the_engine_cannot_honour_are_400(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_fails_while_decoding_ends_the_request(client, stream):
+    """llguidance builds this regex lazily and gives up after a few tokens: the request ends
+    with an error naming the constraint, never goes on unconstrained."""
+    with pytest.raises(openai.APIError, match="output constraint .* failed while decoding"):
+        out = client.completions.create(model=MODEL, prompt="hi", max_tokens=16, temperature=0,
+                                        stream=stream, extra_body={"guided_regex": "b{1000000}"})
+        if stream:
+            list(out)
+
+
 # ---- tool calling through the official client ----
 
 WEATHER = {"type": "function", "function": {
