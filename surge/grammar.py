@@ -26,6 +26,9 @@ log = logging.getLogger("surge.grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "regex", "choice", "grammar", "lark")
 TOKENIZER_FILE = "grammar-tokenizer.json"
+# llguidance's terse stop reasons, in words.
+_REASONS = {"NoExtensionBias": "no token can continue the output (the constraint admits no "
+                               "text here, e.g. a schema that no value satisfies)"}
 
 
 class GrammarError(ValueError):
@@ -112,9 +115,11 @@ class Matchers:
 
     def advance(self, seq_id: int, tokens: list[int]) -> None:
         matcher = self.by_seq.get(seq_id)
-        if matcher is not None and not matcher.is_stopped():
+        if matcher is None:
+            return
+        if not matcher.is_stopped():
             matcher.consume_tokens(tokens)
-            self._check(seq_id)
+        self._check(seq_id)  # the mask computed for these tokens may have failed too
 
     def _check(self, seq_id: int) -> None:
         """A matcher in error (a limit of the engine met lazily, e.g. a regex too large to
@@ -123,6 +128,7 @@ class Matchers:
         if matcher.is_error():
             # Its first line says why; the rest is the engine's state and the whole grammar.
             why = matcher.get_error().strip().splitlines()[0]
+            why = _REASONS.get(why, why)
             log.warning("grammar of sequence %d failed: %s", seq_id, why)
             self.failed[seq_id] = why
             del self.by_seq[seq_id]

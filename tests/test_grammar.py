@@ -116,6 +116,12 @@ def test_a_grammar_that_fails_while_decoding_is_reported_not_dropped(matchers, t
     assert matchers.failed[20] == "lexer error: too many expressions constructed"
     matchers.release([20])
     assert 20 not in matchers.failed
+    # A schema no value satisfies compiles, and fails at its first mask.
+    looped = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    matchers.start(21, compile_grammar("json_schema", looped), [])
+    matchers.bitmask([(21, 0, [])])
+    matchers.advance(21, tokenizer.eos_token_ids[:1])
+    assert matchers.failed.pop(21).startswith("no token can continue the output")
 
 
 def test_a_failed_grammar_ends_its_request_with_a_400():
