@@ -6,6 +6,8 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -15,6 +17,7 @@ import zmq
 import kernels
 from gpu_workers.devices import place
 from gpu_workers.draft import shares_layers, truncated
+from gpu_workers.kernel_linear import route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
@@ -22,6 +25,7 @@ from gpu_workers.moe import take_expert_load
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
+from kernels.linear_cpu import SMALL_M_ROWS
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig
@@ -143,10 +147,14 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4")
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head)
-    packed = cfg.model.pack_weights and can_pack(device, dtype)
-    if packed:
-        pack_model(model)
-    draft = _load_draft(cfg.speculative, model, device, dtype, packed)
+    ops = kernels.for_device(device, cfg.model.kernel_backend)
+    # The C++ backend's small-M products read the plain weights: they take packing's place.
+    routed = ops.name == "cpu" and dtype == torch.bfloat16
+    packed = not routed and cfg.model.pack_weights and can_pack(device, dtype)
+    prepare = (partial(route_linears, ops=ops) if routed else pack_model if packed else None)
+    if prepare is not None:
+        prepare(model)
+    draft = _load_draft(cfg.speculative, model, device, dtype, prepare)
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     if device.type == "cpu":
@@ -161,7 +169,6 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     if cuda and cfg.model.deterministic:
         # cuBLAS picks its reduction order by the batch's shape; only the CPU path is invariant.
         raise ValueError("--deterministic runs on the CPU only; drop it or use --device cpu")
-    ops = kernels.for_device(device, cfg.model.kernel_backend)
     model.ops = ops
     if draft is not None:
         draft.ops = ops
@@ -184,6 +191,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
+                   f"{f' (C++ products up to {SMALL_M_ROWS} rows)' if routed else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "
@@ -203,7 +211,8 @@ def _count_expert_load(model: LlamaModel) -> None:
 
 
 def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device,
-                dtype: torch.dtype, packed: bool) -> LlamaModel | None:
+                dtype: torch.dtype, prepare: Callable[[LlamaModel], None] | None
+                ) -> LlamaModel | None:
     """Speculative decoding's draft: another model file, or the target itself (sharing its
     weights), cut to draft_layers."""
     if not cfg.has_draft:
@@ -215,6 +224,6 @@ def _load_draft(cfg: SpeculativeConfig, target: LlamaModel, device: torch.device
             raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is "
                              f"not the target's ({target.cfg.vocab_size}); a draft must share "
                              f"the target's tokenizer")
-        if packed:
-            pack_model(draft)
+        if prepare is not None:
+            prepare(draft)  # as the target's linear layers were
     return truncated(draft, cfg.draft_layers) if cfg.draft_layers else draft

@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import attention, attention_cpu, rmsnorm, rmsnorm_cpu
+from gpu_workers.kernel_linear import KernelLinear, route_linears
+from gpu_workers.loader import load_model
+from kernels import attention, attention_cpu, linear_cpu, rmsnorm, rmsnorm_cpu
 from kernels.cpu import extension
 from tests.inprocess import InProcessEngine
 from tests.prompts import reference_prompts
@@ -109,3 +111,61 @@ def test_the_model_on_the_cpu_backend_keeps_the_reference_tokens(engine_model, t
         engine_model.ops = kernels.REFERENCE
     for name, ids in prompts.items():
         assert got[name] == reference.greedy(ids, 32), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 700), st.integers(1, 70), seeds)
+def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, seed):
+    """Every row count (past the threshold too), widths that are no multiple of a vector, and
+    output counts that are no multiple of the kernel's block of W rows."""
+    torch.manual_seed(seed)
+    x, weight = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    got = extension().small_m_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    # One rounding of an fp32 sum to bf16, plus the fp32 sum's own error where terms cancel.
+    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_linear_takes_the_cpp_product_for_few_rows_only():
+    weight = torch.randn(40, 64).bfloat16()
+    for rows in (1, linear_cpu.SMALL_M_ROWS, linear_cpu.SMALL_M_ROWS + 1, 33):
+        x = torch.randn(rows, 64).bfloat16()
+        want = (extension().small_m_linear(x, weight) if rows <= linear_cpu.SMALL_M_ROWS
+                else torch.nn.functional.linear(x, weight))
+        assert torch.equal(linear_cpu.linear(x, weight), want), rows
+    x32 = torch.randn(2, 64)
+    assert torch.equal(linear_cpu.linear(x32, weight.float()),
+                       torch.nn.functional.linear(x32, weight.float()))
+
+
+@pytest.mark.slow
+def test_a_bf16_model_on_cpp_products_agrees_with_float32_as_plain_bf16(model_files,
+                                                                      engine_model, tokenizer):
+    """Each short reference prompt decoded alone, so every step's products have one row and go
+    through the C++ kernel: the first 16 greedy tokens are the float32 model's on most
+    prompts, as often as plain bf16's are (the bar tests/test_packed.py holds packing to)."""
+    cpu = torch.device("cpu")
+    plain = load_model(model_files, cpu, torch.bfloat16)
+    routed = load_model(model_files, cpu, torch.bfloat16)
+    ops = kernels.for_device(cpu, "cpu")
+    route_linears(routed, ops)
+    routed.ops = ops
+    assert isinstance(routed.layers[0].mlp.down_proj, KernelLinear)
+    assert routed.lm_head.weight.data_ptr() == routed.embed.weight.data_ptr()  # tied, no copy
+    # The short prompts: three decoded models' worth of steps must stay quick on 2 cores.
+    prompts = {name: ids for name, ids in reference_prompts(tokenizer).items() if len(ids) < 200}
+
+    def alone(model) -> dict[str, list[int]]:
+        engine = InProcessEngine(model, max_num_seqs=1)  # one sequence, one row, a step
+        for name, ids in prompts.items():
+            engine.add(name, ids, 16)
+        return engine.run()
+
+    expected = alone(engine_model)
+    agreeing = {label: sum(got[name] == expected[name] for name in prompts)
+                for label, got in (("plain", alone(plain)), ("routed", alone(routed)))}
+    print(f"\n  prompts agreeing with float32 over 16 tokens: {agreeing}")
+    assert agreeing["routed"] > len(prompts) // 2, agreeing
+    assert agreeing["routed"] >= agreeing["plain"] - 2, agreeing

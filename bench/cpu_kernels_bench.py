@@ -1,0 +1,95 @@
+"""The C++ CPU kernels against what they replace, timed alternately in one process.
+
+Small-M linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++
+kernel (kernels/cpu/gemv.cpp) against oneDNN on packed weights and plain F.linear, in
+microseconds and in GB/s of weights read, beside the machine's measured copy bandwidth.
+
+Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16]
+       [--repeats 30] [--output result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import extension
+
+# (name, in, out): SmolLM2-135M's projections, its head, and one Llama-8B MLP product.
+SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
+          ("lm_head", 576, 49152), ("8b_down", 14336, 4096)]
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy (bytes read + written), the best of a few."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = min(_once(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() / best / 1e9
+
+
+def _once(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def time_alternately(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each, the candidates taking turns so load changes hit them alike."""
+    for fn in fns.values():
+        fn()  # warm up: oneDNN builds its kernel on first use
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(_once(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    ext = extension()
+    if ext is None:
+        raise SystemExit("the C++ kernels did not build")
+    bandwidth = copy_bandwidth()
+    print(f"{torch.get_num_threads()} threads, C++ products built for {ext.gemv_isa()}, "
+          f"copy bandwidth {bandwidth:.1f} GB/s, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'onednn us':>9} {'plain us':>9} "
+          f"{'c++ GB/s':>8} {'onednn':>7}")
+    rows_out = []
+    for name, k, n in SHAPES:
+        weight = torch.randn(n, k).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(m, k).bfloat16()
+            t = time_alternately({
+                "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
+                "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
+                    x, p, None, "none", [], ""),
+                "plain": lambda x=x, w=weight: F.linear(x, w),
+            }, args.repeats)
+            gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
+            print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t['onednn'] * 1e6:>9.1f} "
+                  f"{t['plain'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} {gbs['onednn']:>7.1f}")
+            rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
+                             **{f"{key}_us": s * 1e6 for key, s in t.items()},
+                             **{f"{key}_gbs": g for key, g in gbs.items()}})
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "rows": rows_out}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+// Small-M products y = x W^T for decode steps (M up to ~16 rows of x). At this size the time is
+// W's bytes over the memory bandwidth, so W is read exactly once a call: each task takes a few
+// of W's rows and every row of x reuses each loaded W vector while it is in registers.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Output features per task: their W vectors stay in registers while x's rows pass over them.
+constexpr int64_t kRows = 4;
+// x rows per pass: kRows x kTile accumulators (16) + kRows W vectors + one x vector fit in the
+// 32 AVX-512 registers.
+constexpr int64_t kTile = 4;
+
+#if defined(__AVX512BF16__)
+// 32 bf16 of a row from k; past `k_end` the lanes read as 0 (a masked load never touches them).
+inline __m512bh load32(const at::BFloat16* p, int64_t k, int64_t k_end) {
+  const int64_t left = k_end - k;
+  const __mmask32 mask = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + k);
+}
+
+// rows x `tile` dot products over K with the AVX-512 BF16 pair dot product (fp32 sums).
+template <int64_t tile>
+void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
+               int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
+  __m512 acc[tile][kRows];
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[kRows];
+    for (int64_t r = 0; r < kRows; ++r)
+      wv[r] = r < rows ? load32(w + r * ldw, k, K) : (__m512bh)_mm512_setzero_si512();
+    for (int64_t m = 0; m < tile; ++m) {
+      const __m512bh xv = load32(x + m * ldx, k, K);
+      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+}
+#elif defined(__AVX2__)
+// 8 bf16 widened to fp32 (a bf16 is the top half of a float); lanes past k_end read as 0.
+inline __m256 load8(const at::BFloat16* p, int64_t k, int64_t k_end) {
+  alignas(32) uint16_t buf[8] = {0};
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(p + k);
+  __m128i raw;
+  if (k_end - k >= 8) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  } else {
+    for (int64_t i = 0; i < k_end - k; ++i) buf[i] = src[i];
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+template <int64_t tile>
+void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
+               int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
+  __m256 acc[tile][kRows];
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[kRows];
+    for (int64_t r = 0; r < kRows; ++r)
+      wv[r] = r < rows ? load8(w + r * ldw, k, K) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < tile; ++m) {
+      const __m256 xv = load8(x + m * ldx, k, K);
+      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = at::BFloat16(sum8(acc[m][r]));
+}
+#else
+template <int64_t tile>
+void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
+               int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        s += static_cast<float>(x[m * ldx + k]) * static_cast<float>(w[r * ldw + k]);
+      out[m * ldo + r] = at::BFloat16(s);
+    }
+}
+#endif
+
+}  // namespace
+
+// The ISA the products were built for (-march=native picks it per machine at install).
+std::string gemv_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "small_m_linear takes bfloat16 x and weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_m_linear: x [M, K] and weight [N, K]");
+  auto xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  // Each sum is rounded to bf16 once, from fp32, as oneDNN's bf16 product rounds it.
+  auto out = torch::empty({M, N}, x.options());
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  // Grain 16 blocks (64 rows of W): enough work per task to hide the scheduling, while the
+  // smallest projections (576 rows) still spread over every thread.
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kRows, rows = std::min(kRows, N - n);
+      int64_t m = 0;
+      for (; m + kTile <= M; m += kTile)
+        dot_block<kTile>(xp + m * K, K, wp + n * K, K, rows, K, op + m * N + n, N);
+      const at::BFloat16* xm = xp + m * K;
+      at::BFloat16* om = op + m * N + n;
+      switch (M - m) {
+        case 3: dot_block<3>(xm, K, wp + n * K, K, rows, K, om, N); break;
+        case 2: dot_block<2>(xm, K, wp + n * K, K, rows, K, om, N); break;
+        case 1: dot_block<1>(xm, K, wp + n * K, K, rows, K, om, N); break;
+        default: break;
+      }
+    }
+  });
+  return out;
+}
