@@ -16,6 +16,7 @@ import time
 
 import torch
 
+import kernels
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import ModelRunner
@@ -70,11 +71,12 @@ def agreement(base: list[int], other: list[int]) -> int:
     return same
 
 
-def load(mode: str, dtype: torch.dtype, group: int) -> LlamaModel:
+def load(mode: str, dtype: torch.dtype, group: int, backend: str = "reference") -> LlamaModel:
     model = load_model(resolve_model("default"), torch.device("cpu"), dtype,
                        keep_q4_1=mode == "int4")
+    model.ops = kernels.for_device(torch.device("cpu"), backend)
     if mode != "none":
-        quantize_model(model, mode, group)
+        quantize_model(model, mode, group, ops=model.ops)
     return model
 
 
@@ -86,6 +88,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="of the text, for perplexity")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    parser.add_argument("--kernel-backend", default="reference", choices=["reference", "cpu"],
+                        help="the quantized modes' kernels (cpu: the C++ int4 product)")
     opts = parser.parse_args()
     from server.tokenizer import Tokenizer
     from tests.prompts import reference_prompts
@@ -103,7 +107,8 @@ def main() -> int:
     base_ppl, base_out = None, None
     for mode in opts.modes.split(","):
         started = time.monotonic()
-        model = load(mode, dtype, opts.group_size)
+        model = load(mode, dtype, opts.group_size,
+                     "reference" if mode == "none" else opts.kernel_backend)
         ppl = perplexity(model, text_ids)
         out = greedy(model, prompts, opts.new_tokens)
         if base_out is None:

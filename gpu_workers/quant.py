@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from gpu_workers.llama import LlamaModel
+from kernels import Kernels
+from kernels.matmul import Q4_BLOCK, pack_q4
 
 _FP8_MAX = 448.0  # largest finite e4m3 value
 
@@ -73,11 +76,23 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None
-                 ) -> None:
+    """On the C++ backend the nibbles stay in Q4_1's order with fp32 steps and minimums (a
+    GGUF's fp16 ones exactly) for kernels/cpu/int4.cpp; elsewhere PyTorch's int4 operators,
+    which take their scales and offsets in the activations' dtype."""
+
+    def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None,
+                 ops: Kernels = kernels.REFERENCE) -> None:
         super().__init__()
         self.group = group
+        self.ops = ops
         q, scales, zeros = quantize_int4(weight, group, grid)
+        if ops.name == "cpu":
+            if group % Q4_BLOCK:
+                raise ValueError(f"the cpu kernel backend's int4 groups are multiples of "
+                                 f"{Q4_BLOCK} columns, not {group}; use --quant-group-size 32")
+            self.packed = nn.Buffer(pack_q4(q))
+            self.scales, self.mins = nn.Buffer(scales), nn.Buffer(zeros - 8 * scales)
+            return
         # [K / group, N, 2]: the layout both operators read their scales and offsets in.
         self.scales_zeros = nn.Buffer(
             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype))
@@ -89,6 +104,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if self.ops.name == "cpu":
+            return self.ops.int4_linear(x, self.packed, self.scales, self.mins)
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
                                                       self.scales_zeros)
@@ -117,8 +134,10 @@ class FP8Linear(nn.Module):
         return F.linear(x, (self.q.float() * self.scales[:, None]).to(x.dtype))
 
 
-def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int) -> nn.Module:
-    """The quantized replacement of `linear` (whose weight is `weight`)."""
+def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
+              ops: Kernels = kernels.REFERENCE) -> nn.Module:
+    """The quantized replacement of `linear` (whose weight is `weight`), for the kernels
+    `ops` (the C++ backend has an int4 product of its own)."""
     weight = weight.detach()
     if mode == "int8":
         return Int8Linear(weight)
@@ -126,20 +145,21 @@ def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int) ->
         # A GGUF's Q4_1 blocks are groups of 32 on a grid of their own: keep exactly those.
         grid = getattr(linear, "q4_1", None)
         exact = group == 32 and grid is not None and not bool(grid.isnan().any())
-        return Int4Linear(weight, group, grid if exact else None)
+        return Int4Linear(weight, group, grid if exact else None, ops)
     if mode == "fp8":
         return FP8Linear(weight)
     raise ValueError(f"unknown quantization {mode!r} (none, int8, int4, fp8)")
 
 
-def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False) -> None:
+def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
+                   ops: Kernels = kernels.REFERENCE) -> None:
     """Every decoder-layer projection becomes a quantized linear; the embedding stays, and so
     does the LM head unless `head` (a tied head then gets a quantized copy of the embedding)."""
     for layer in model.layers:
         for parent in (layer.attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, quantized(child, child.weight, mode, group))
+                    setattr(parent, name, quantized(child, child.weight, mode, group, ops))
     if head:
         source = model.embed if model.lm_head is None else model.lm_head
-        model.lm_head = quantized(source, source.weight, mode, group)
+        model.lm_head = quantized(source, source.weight, mode, group, ops)

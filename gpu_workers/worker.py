@@ -25,7 +25,7 @@ from gpu_workers.moe import take_expert_load
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
-from kernels.linear_cpu import SMALL_M_ROWS
+from kernels.matmul_cpu import SMALL_M_ROWS
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig
@@ -145,9 +145,10 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     started = time.monotonic()
     quant = cfg.model.quantization
     model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4")
-    if quant != "none":
-        quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head)
     ops = kernels.for_device(device, cfg.model.kernel_backend)
+    if quant != "none":
+        quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
+                       ops)
     # The C++ backend's small-M products read the plain weights: they take packing's place.
     routed = ops.name == "cpu" and dtype == torch.bfloat16
     packed = not routed and cfg.model.pack_weights and can_pack(device, dtype)

@@ -20,7 +20,7 @@ from kernels.attention import (
     prefill_attention,
     store_kv,
 )
-from kernels.linear import linear
+from kernels.matmul import int4_linear, linear
 from kernels.moe import fused_moe
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
@@ -43,6 +43,7 @@ class Kernels:
     apply_rotary_: Callable
     fused_moe: Callable
     linear: Callable
+    int4_linear: Callable
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -52,7 +53,8 @@ class Kernels:
 # "_cpu". The C++ backend has no store_kv or rotary of its own yet: those are the reference's.
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
-            "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "linear"}
+            "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
+            "int4_linear": "matmul"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -105,6 +107,7 @@ __all__ = [
     "fixed_order_attention",
     "for_device",
     "fused_moe",
+    "int4_linear",
     "linear",
     "plan_decode",
     "prefill_attention",

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import kernels
 from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
-from kernels import attention, attention_cpu, linear_cpu, rmsnorm, rmsnorm_cpu
+from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu
+from kernels import matmul as matmul_ref
 from kernels.cpu import extension
 from tests.inprocess import InProcessEngine
 from tests.prompts import reference_prompts
@@ -130,13 +131,13 @@ def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, se
 
 def test_linear_takes_the_cpp_product_for_few_rows_only():
     weight = torch.randn(40, 64).bfloat16()
-    for rows in (1, linear_cpu.SMALL_M_ROWS, linear_cpu.SMALL_M_ROWS + 1, 33):
+    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, 33):
         x = torch.randn(rows, 64).bfloat16()
-        want = (extension().small_m_linear(x, weight) if rows <= linear_cpu.SMALL_M_ROWS
+        want = (extension().small_m_linear(x, weight) if rows <= matmul_cpu.SMALL_M_ROWS
                 else torch.nn.functional.linear(x, weight))
-        assert torch.equal(linear_cpu.linear(x, weight), want), rows
+        assert torch.equal(matmul_cpu.linear(x, weight), want), rows
     x32 = torch.randn(2, 64)
-    assert torch.equal(linear_cpu.linear(x32, weight.float()),
+    assert torch.equal(matmul_cpu.linear(x32, weight.float()),
                        torch.nn.functional.linear(x32, weight.float()))
 
 
@@ -169,3 +170,34 @@ def test_a_bf16_model_on_cpp_products_agrees_with_float32_as_plain_bf16(model_fi
     print(f"\n  prompts agreeing with float32 over 16 tokens: {agreeing}")
     assert agreeing["routed"] > len(prompts) // 2, agreeing
     assert agreeing["routed"] >= agreeing["plain"] - 2, agreeing
+
+
+def test_q4_packing_round_trips():
+    q = torch.randint(0, 16, (5, 96))
+    packed = matmul_ref.pack_q4(q)
+    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
+    assert torch.equal(matmul_ref.unpack_q4(packed), q.to(torch.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 20), st.integers(1, 50),
+       st.sampled_from([32, 64]), st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed):
+    """Against the float32 product of the dequantized weight: the steps and minimums reach
+    the sums unrounded (fp32), whatever the rows, groups of 32 or 64 columns, dtype."""
+    torch.manual_seed(seed)
+    k = groups * group
+    q = torch.randint(0, 16, (n, k))
+    scales = torch.rand(n, k // group) * 0.1 + 1e-3
+    mins = -torch.rand(n, k // group)
+    x = torch.randn(m, k).to(dtype)
+    got = matmul_cpu.int4_linear(x, matmul_ref.pack_q4(q), scales, mins)
+    assert got.shape == (m, n) and got.dtype == dtype
+    w = (q.double() * scales.double().repeat_interleave(group, 1)
+         + mins.double().repeat_interleave(group, 1))
+    exact = x.double() @ w.T
+    rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+    bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales,
+                                                            mins), rtol=2**-7, atol=1e-4)

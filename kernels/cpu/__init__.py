@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp")
+_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "int4.cpp")
 
 
 def build_dir() -> Path:

@@ -1,5 +1,6 @@
-"""x W^T through the C++ small-M product (kernels/cpu/gemv.cpp) for a few rows of bf16, as
-kernels.linear's; more rows go to oneDNN, which is faster there (bench.cpu_kernels_bench)."""
+"""x W^T through the C++ products, as kernels.matmul's: kernels/cpu/gemv.cpp for a few rows of
+bf16 (more rows go to oneDNN, which is faster there: bench.cpu_kernels_bench), and
+kernels/cpu/int4.cpp on int4 weights."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16:
         return extension().small_m_linear(x, weight)
     return F.linear(x, weight)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor) -> torch.Tensor:
+    return extension().int4_linear(x, packed, scales, mins)
