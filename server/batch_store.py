@@ -157,7 +157,8 @@ class BatchStore:
         return dict(rows.fetchall())
 
     def remove_old(self, before: float) -> int:
-        """Forget finished batches and files older than `before`; how many of each went."""
+        """Forget finished batches and files older than `before`, but not the input file of a
+        batch still active; how many of each went."""
         gone = [r[0] for r in self.db.execute(
             "SELECT id FROM batches WHERE ended_at < ?", (before,)).fetchall()]
         with self.db:
@@ -165,8 +166,9 @@ class BatchStore:
             for batch_id in gone:
                 self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
                 self.db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+        in_use = {b["input_file_id"] for b in self.active()}  # a long batch keeps its input
         old = [r[0] for r in self.db.execute("SELECT id FROM files WHERE created_at < ?",
-                                             (before,)).fetchall()]
+                                             (before,)).fetchall() if r[0] not in in_use]
         for file_id in old:
             self.delete_file(file_id)
         self.db.execute("DELETE FROM outbox WHERE state != 'pending' AND next_at < ?",

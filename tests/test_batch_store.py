@@ -48,18 +48,24 @@ def test_a_line_is_recorded_once_and_pending_skips_lines_in_flight(tmp_path):
     assert store.counts("b") == {"done": 1, "pending": 1}
 
 
-def test_retention_removes_ended_batches_and_old_files(tmp_path):
+def test_retention_removes_ended_batches_and_old_files_not_in_use(tmp_path):
     store = BatchStore(str(tmp_path))
-    store.add_batch("t", batch("old", "in_progress"))
-    store.add_batch("t", batch("running", "in_progress"))
+    store.add_batch("t", {**batch("old", "in_progress"), "input_file_id": "file-1"})
+    store.add_batch("t", {**batch("running", "in_progress"), "input_file_id": "file-2"})
     store.update("old", ("in_progress",), status="completed")
     store.add_lines("old", [(1, "a", "done", None, "{}")])
-    store.path("file-1").write_text("x")
-    store.add_file("t", "file-1", "batch", "in.jsonl", 1)
+    for file_id in ("file-1", "file-2"):
+        store.path(file_id).write_text("x")
+        store.add_file("t", file_id, "batch", "in.jsonl", 1)
     assert store.remove_old(time.time() + 1) == 2
     assert store.batch("t", "old") is None and store.counts("old") == {}
     assert store.batch("t", "running") is not None
     assert store.file("t", "file-1") is None and not store.path("file-1").exists()
+    # The running batch's input outlives the retention period until the batch ends.
+    assert store.file("t", "file-2") is not None and store.path("file-2").exists()
+    store.update("running", ("in_progress",), status="cancelled")
+    assert store.remove_old(time.time() + 1) == 2
+    assert store.file("t", "file-2") is None and not store.path("file-2").exists()
 
 
 def test_bad_lines_each_get_a_reason(tmp_path):
