@@ -200,6 +200,41 @@ class BatchStore:
                         "batch_id = ? AND line = ? AND state = 'pending'",
                         (state, result, batch_id, line))
 
+    def fail_pending(self, batch_id: str, results: list[tuple[int, str]]) -> int:
+        """Record (line, error line) for lines that will not run (the batch ended first);
+        how many were still pending."""
+        with self.db:
+            self.db.execute("BEGIN")
+            return self.db.executemany(
+                "UPDATE lines SET state = 'failed', result = ?, request = NULL WHERE "
+                "batch_id = ? AND line = ? AND state = 'pending'",
+                [(result, batch_id, line) for line, result in results]).rowcount
+
+    def outcomes(self) -> dict[str, int]:
+        """The kept lines by outcome, as surge_batch_lines_total counts them: done, pending,
+        failed (answered with an error), invalid (refused when read), cancelled, expired."""
+        rows = self.db.execute(
+            "SELECT CASE WHEN state != 'failed' THEN state"
+            " WHEN json_extract(result, '$.response') IS NOT NULL THEN 'failed'"
+            " WHEN json_extract(result, '$.error.code') = 'batch_cancelled' THEN 'cancelled'"
+            " WHEN json_extract(result, '$.error.code') = 'batch_expired' THEN 'expired'"
+            " ELSE 'invalid' END AS outcome, count(*) FROM lines GROUP BY outcome")
+        return dict(rows.fetchall())
+
+    def usage(self, batch_id: str) -> dict:
+        """OpenAI's batch usage: the tokens of the lines answered (their usage summed)."""
+        fields = ("prompt_tokens", "completion_tokens", "prompt_tokens_details.cached_tokens",
+                  "completion_tokens_details.reasoning_tokens")
+        sums = self.db.execute(
+            "SELECT " + ", ".join(f"coalesce(sum(json_extract(result, '$.response.body.usage."
+                                  f"{name}')), 0)" for name in fields) +
+            " FROM lines WHERE batch_id = ? AND state = 'done'", (batch_id,)).fetchone()
+        prompt, completion, cached, reasoning = sums
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": prompt + completion}
+
     def counts(self, batch_id: str | None = None) -> dict[str, int]:
         """Lines by state, of one batch or of all that are kept."""
         where, args = ("WHERE batch_id = ?", (batch_id,)) if batch_id else ("", ())

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server.batch_lines import read_lines
+from server.batch_lines import FileError, read_lines
 from server.batch_store import BatchStore, StateDirBusy
 
 CHAT = "/v1/chat/completions"
@@ -74,18 +74,23 @@ def test_bad_lines_each_get_a_reason(tmp_path):
              json.dumps({**good, "custom_id": "m", "method": "GET"}),
              json.dumps({**good, "custom_id": "u", "url": "/v1/completions"}),
              json.dumps({**good, "custom_id": "x", "extra": 1}),
-             json.dumps({**good, "custom_id": "b", "body": "text"}), json.dumps(good), "",
-             json.dumps(good)]
+             json.dumps({**good, "custom_id": "b", "body": "text"}), "", json.dumps(good)]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
     rows = read_lines(path, "batch_1", CHAT, 100)
     codes = [json.loads(r[4])["error"]["code"] if r[2] == "failed" else "ok" for r in rows]
     assert codes == ["invalid_json", "invalid_json", "missing_custom_id", "invalid_method",
-                     "invalid_url", "invalid_request", "invalid_body", "ok",
-                     "duplicate_custom_id"]
-    assert [r[0] for r in rows][-1] == 10  # numbered as in the file, blank lines too
-    with pytest.raises(ValueError, match="more than 3 lines"):
+                     "invalid_url", "invalid_request", "invalid_body", "ok"]
+    assert [r[0] for r in rows][-1] == 9  # numbered as in the file, blank lines too
+    with pytest.raises(FileError, match="more than 3 lines") as e:
         read_lines(path, "batch_1", CHAT, 3)
+    assert (e.value.code, e.value.line) == ("too_many_lines", 4)
+    # A custom_id twice fails the whole file, as OpenAI's validation does, a bad line's too.
+    path.write_text("\n".join([json.dumps(good), json.dumps({**good, "custom_id": "x"}),
+                               json.dumps({**good, "method": "GET"})]) + "\n")
+    with pytest.raises(FileError, match="'a' of line 3 is used by line 1") as e:
+        read_lines(path, "batch_1", CHAT, 100)
+    assert (e.value.code, e.value.param, e.value.line) == ("duplicate_custom_id", "custom_id", 3)
 
 
 def test_one_server_per_state_dir(tmp_path):
