@@ -12,6 +12,7 @@ from surge.config import (
     TenantConfig,
     live_values,
 )
+from surge.config_frontend import tenants_problem
 from surge.protocol import AdminReply, AdminRequest, EngineStats
 
 
@@ -46,7 +47,7 @@ def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
     except msgspec.ValidationError as e:
         return f"invalid value: {e}"
     speculative: SpeculativeConfig = sections["speculative"]
-    if problem := speculative.problem():
+    if problem := speculative.problem() or tenants_problem(new_tenants, cfg.batch):
         return problem
     return msgspec.structs.replace(cfg, **sections, tenants=new_tenants)
 

@@ -158,7 +158,8 @@ class BatchApi:
                  "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0},
-                 "metadata": body.metadata, "model": self.frontend.translator.model_name}
+                 "metadata": body.metadata, "model": self.frontend.translator.model_name,
+                 "usage": None}
         self.store.add_batch(tenant, batch)
         self.runner.wake.set()
         return _json(batch)

@@ -16,12 +16,21 @@ class LineError(Exception):
         self.code = code
 
 
+class FileError(ValueError):
+    """The input file as a whole cannot run (the batch fails): OpenAI's errors.data entry."""
+
+    def __init__(self, code: str, message: str, param: str | None = None,
+                 line: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param, self.line = code, param, line
+
+
 def request_id(batch_id: str, line: int) -> str:
     """A line's output id: the same across restarts."""
     return "batch_req_" + hashlib.sha256(f"{batch_id}:{line}".encode()).hexdigest()[:24]
 
 
-def parse_line(text: str, endpoint: str, seen: set[str]) -> tuple[str | None, str]:
+def parse_line(text: str, endpoint: str) -> tuple[str | None, str]:
     """A line's custom_id and body (JSON text); LineError (with its custom_id as a note) when
     the line is not a request this batch can run."""
     try:
@@ -44,38 +53,41 @@ def parse_line(text: str, endpoint: str, seen: set[str]) -> tuple[str | None, st
                                            f"endpoint {endpoint!r}")
         if not isinstance(line.get("body"), dict):
             raise LineError("invalid_body", "body must be a JSON object")
-        if custom_id in seen:
-            raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} is used by an "
-                                                   "earlier line")
     except LineError as e:
         e.add_note(custom_id)
         raise
-    seen.add(custom_id)
     return custom_id, json.dumps(line["body"])
 
 
 def read_lines(path: Path, batch_id: str, endpoint: str, limit: int
                ) -> list[tuple[int, str | None, str, str | None, str | None]]:
     """Rows for BatchStore.add_lines: a good line pending with its body, a bad one failed with
-    its error line. ValueError when the file has more than `limit` lines."""
+    its error line. FileError when the file has more than `limit` lines, or a custom_id twice
+    (as OpenAI refuses it: an answer must name its request)."""
     rows: list[tuple[int, str | None, str, str | None, str | None]] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # custom_id -> its line
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
                 continue
             if len(rows) == limit:
-                raise ValueError(f"the input file has more than {limit} lines "
-                                 f"(batch_max_lines)")
+                raise FileError("too_many_lines", f"the input file has more than {limit} lines "
+                                f"(batch_max_lines)", line=number)
             try:
-                custom_id, body = parse_line(text, endpoint, seen)
+                custom_id, body = parse_line(text, endpoint)
+                row = (number, custom_id, "pending", body, None)
             except LineError as e:
                 custom_id = getattr(e, "__notes__", [None])[0]
                 error = {"code": e.code, "message": str(e), "line": number}
-                rows.append((number, custom_id, "failed", None,
-                             json.dumps(output_line(batch_id, number, custom_id, None, error))))
-                continue
-            rows.append((number, custom_id, "pending", body, None))
+                row = (number, custom_id, "failed", None,
+                       json.dumps(output_line(batch_id, number, custom_id, None, error)))
+            if custom_id is not None and custom_id in seen:
+                raise FileError("duplicate_custom_id", f"custom_id {custom_id!r} of line "
+                                f"{number} is used by line {seen[custom_id]} too; each line "
+                                "needs its own", param="custom_id", line=number)
+            if custom_id is not None:
+                seen[custom_id] = number
+            rows.append(row)
     return rows
 
 

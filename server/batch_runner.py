@@ -14,7 +14,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from server.app import Frontend
-from server.batch_lines import output_line, read_lines
+from server.batch_lines import FileError, output_line, read_lines
 from server.batch_store import ACTIVE, TERMINAL, BatchStore
 from server.errors import ApiError, error_body
 from server.openai_types import ChatCompletionRequest, CompletionRequest
@@ -28,6 +28,7 @@ ENDPOINTS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
              "/v1/completions": ("completion", CompletionRequest)}
 _RETRYABLE = (429, 503)  # quotas, queue bounds, a restarting engine: the line waits, not fails
 _TIDY_EVERY_S = 60.0
+OUTCOMES = ("done", "failed", "invalid", "cancelled", "expired")  # surge_batch_lines_total's
 
 
 class BatchRunner:
@@ -40,11 +41,16 @@ class BatchRunner:
         self.slots = asyncio.Semaphore(cfg.batch_max_in_flight)
         self.tasks: dict[str, asyncio.Task] = {}  # batch id -> the task driving it
         self.wake = asyncio.Event()
+        for outcome in OUTCOMES:  # each series at 0 from the start
+            metrics.batch_lines.labels(outcome)
 
     def stats(self) -> dict:
-        lines = self.store.counts()
+        """Batches by state and the kept lines: lines_failed is every way a line ends in the
+        error file, lines_by_outcome splits them as surge_batch_lines_total does."""
+        lines = self.store.outcomes()
         return {"by_state": self.store.by_state(), "lines_done": lines.get("done", 0),
-                "lines_failed": lines.get("failed", 0), "lines_pending": lines.get("pending", 0)}
+                "lines_failed": sum(n for k, n in lines.items() if k not in ("done", "pending")),
+                "lines_pending": lines.get("pending", 0), "lines_by_outcome": lines}
 
     async def run(self) -> None:
         """Forever: start or stop each active batch's task, expire late ones, tidy old state."""
@@ -137,8 +143,11 @@ class BatchRunner:
         except (OSError, ValueError) as e:
             message = "the input file is gone" if isinstance(e, FileNotFoundError) else str(e)
             tenant = self.store.owner(batch["id"])
-            errors = {"object": "list", "data": [{"code": "invalid_file", "message": message,
-                                                  "param": "input_file_id", "line": None}]}
+            error = ({"code": e.code, "message": message, "param": e.param, "line": e.line}
+                     if isinstance(e, FileError) else
+                     {"code": "invalid_file", "message": message, "param": "input_file_id",
+                      "line": None})
+            errors = {"object": "list", "data": [error]}
             failed = self.store.update(batch["id"], ("validating",),
                                        lambda b: self.webhooks.events(tenant, b),
                                        status="failed", failed_at=int(time.time()),
@@ -148,6 +157,7 @@ class BatchRunner:
                      extra={"batch_id": batch["id"]})
             return failed
         self.store.add_lines(batch["id"], rows)
+        metrics.batch_lines.labels("invalid").inc(sum(1 for r in rows if r[2] == "failed"))
         started = self.store.update(batch["id"], ("validating",), status="in_progress",
                                     in_progress_at=int(time.time()),
                                     request_counts=self._counts(batch["id"]))
@@ -228,13 +238,14 @@ class BatchRunner:
         """Write the output and error files, then the batch's end state and its events."""
         batch_id = batch["id"]
         tenant = self.store.owner(batch_id)
-        output = list(self.store.results(batch_id, "done"))
-        errors = list(self.store.results(batch_id, "failed"))
         if end != "completed":  # lines that never ran go to the error file, each once
             code = "batch_expired" if end == "expired" else "batch_cancelled"
-            errors += [json.dumps(output_line(batch_id, line, custom_id, None, {
+            unrun = [(line, json.dumps(output_line(batch_id, line, custom_id, None, {
                 "code": code, "message": f"the batch was {end} before this line ran",
-                "line": line})) for line, custom_id in self.store.pending_ids(batch_id)]
+                "line": line}))) for line, custom_id in self.store.pending_ids(batch_id)]
+            metrics.batch_lines.labels(end).inc(self.store.fail_pending(batch_id, unrun))
+        output = list(self.store.results(batch_id, "done"))
+        errors = list(self.store.results(batch_id, "failed"))
         ids = {}
         for kind, lines in (("output", output), ("error", errors)):
             if not lines:
@@ -248,6 +259,7 @@ class BatchRunner:
                   "failed": len(errors)}
         self.store.update(batch_id, ACTIVE, lambda b: self.webhooks.events(tenant, b),
                           **ids, status=end, request_counts=counts,
+                          usage=self.store.usage(batch_id),
                           **{f"{end}_at": int(time.time())})
         self.webhooks.wake.set()
         log.info("batch %s %s: %d done, %d failed", batch_id, end, len(output), len(errors),

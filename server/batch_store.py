@@ -157,7 +157,8 @@ class BatchStore:
         return dict(rows.fetchall())
 
     def remove_old(self, before: float) -> int:
-        """Forget finished batches and files older than `before`; how many of each went."""
+        """Forget finished batches and files older than `before`, but not the input file of a
+        batch still active; how many of each went."""
         gone = [r[0] for r in self.db.execute(
             "SELECT id FROM batches WHERE ended_at < ?", (before,)).fetchall()]
         with self.db:
@@ -165,8 +166,9 @@ class BatchStore:
             for batch_id in gone:
                 self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
                 self.db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+        in_use = {b["input_file_id"] for b in self.active()}  # a long batch keeps its input
         old = [r[0] for r in self.db.execute("SELECT id FROM files WHERE created_at < ?",
-                                             (before,)).fetchall()]
+                                             (before,)).fetchall() if r[0] not in in_use]
         for file_id in old:
             self.delete_file(file_id)
         self.db.execute("DELETE FROM outbox WHERE state != 'pending' AND next_at < ?",
@@ -197,6 +199,41 @@ class BatchStore:
         self.db.execute("UPDATE lines SET state = ?, result = ?, request = NULL WHERE "
                         "batch_id = ? AND line = ? AND state = 'pending'",
                         (state, result, batch_id, line))
+
+    def fail_pending(self, batch_id: str, results: list[tuple[int, str]]) -> int:
+        """Record (line, error line) for lines that will not run (the batch ended first);
+        how many were still pending."""
+        with self.db:
+            self.db.execute("BEGIN")
+            return self.db.executemany(
+                "UPDATE lines SET state = 'failed', result = ?, request = NULL WHERE "
+                "batch_id = ? AND line = ? AND state = 'pending'",
+                [(result, batch_id, line) for line, result in results]).rowcount
+
+    def outcomes(self) -> dict[str, int]:
+        """The kept lines by outcome, as surge_batch_lines_total counts them: done, pending,
+        failed (answered with an error), invalid (refused when read), cancelled, expired."""
+        rows = self.db.execute(
+            "SELECT CASE WHEN state != 'failed' THEN state"
+            " WHEN json_extract(result, '$.response') IS NOT NULL THEN 'failed'"
+            " WHEN json_extract(result, '$.error.code') = 'batch_cancelled' THEN 'cancelled'"
+            " WHEN json_extract(result, '$.error.code') = 'batch_expired' THEN 'expired'"
+            " ELSE 'invalid' END AS outcome, count(*) FROM lines GROUP BY outcome")
+        return dict(rows.fetchall())
+
+    def usage(self, batch_id: str) -> dict:
+        """OpenAI's batch usage: the tokens of the lines answered (their usage summed)."""
+        fields = ("prompt_tokens", "completion_tokens", "prompt_tokens_details.cached_tokens",
+                  "completion_tokens_details.reasoning_tokens")
+        sums = self.db.execute(
+            "SELECT " + ", ".join(f"coalesce(sum(json_extract(result, '$.response.body.usage."
+                                  f"{name}')), 0)" for name in fields) +
+            " FROM lines WHERE batch_id = ? AND state = 'done'", (batch_id,)).fetchone()
+        prompt, completion, cached, reasoning = sums
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": prompt + completion}
 
     def counts(self, batch_id: str | None = None) -> dict[str, int]:
         """Lines by state, of one batch or of all that are kept."""

@@ -21,6 +21,7 @@ from server.batch_store import BatchStore
 from server.errors import ApiError
 from surge import metrics
 from surge.config import BatchConfig, TenantConfig
+from surge.config_frontend import webhook_key
 
 log = logging.getLogger("surge.webhooks")
 _MAX_BACKOFF_S = 3600.0
@@ -29,9 +30,9 @@ _AT_ONCE = 16  # deliveries in flight at a time
 
 def sign(secret: str, event_id: str, timestamp: int, payload: str) -> str:
     """The webhook-signature header: HMAC-SHA256 of id.timestamp.payload, keyed by the
-    secret (base64 after whsec_, else its bytes)."""
-    key = base64.b64decode(secret[6:]) if secret.startswith("whsec_") else secret.encode()
-    mac = hmac.new(key, f"{event_id}.{timestamp}.{payload}".encode(), hashlib.sha256)
+    secret (checked when the config was loaded)."""
+    mac = hmac.new(webhook_key(secret), f"{event_id}.{timestamp}.{payload}".encode(),
+                   hashlib.sha256)
     return "v1," + base64.b64encode(mac.digest()).decode()
 
 
@@ -94,32 +95,52 @@ class Webhooks:
                         await asyncio.wait_for(self.wake.wait(), 0.5)
 
     async def _deliver(self, session: aiohttp.ClientSession, row: sqlite3.Row) -> None:
-        eid, url, payload = row["event_id"], row["url"], row["payload"]
+        """One attempt; whatever goes wrong is this event's failure, never the loop's (which
+        delivers every tenant's events)."""
+        eid, url = row["event_id"], row["url"]
+        try:
+            problem = await self._post(session, row)
+        except Exception as e:
+            log.exception("webhook %s to %s raised", eid, url,
+                          extra={"event_id": eid, "url": url})
+            problem = f"{type(e).__name__}: {e}"
+        try:
+            self._record(row, problem)
+        except Exception:
+            log.exception("webhook %s to %s: its attempt was not recorded", eid, url,
+                          extra={"event_id": eid, "url": url})
+
+    async def _post(self, session: aiohttp.ClientSession, row: sqlite3.Row) -> str | None:
+        """POST the event, signed; None when the receiver took it, else why not."""
+        eid, payload = row["event_id"], row["payload"]
         secret = self.tenant(row["tenant"]).webhook_secret
         stamp = int(time.time())  # signed afresh each attempt: receivers refuse old stamps
         headers = {"Content-Type": "application/json", "webhook-id": eid,
                    "webhook-timestamp": str(stamp),
                    "webhook-signature": sign(secret, eid, stamp, payload)}
-        problem = None
         try:
-            async with session.post(url, data=payload.encode(), headers=headers) as r:
-                if 200 <= r.status < 300:
-                    self.store.delivered(eid, url, "delivered", row["attempts"] + 1, time.time())
-                    metrics.webhook_deliveries.labels("delivered").inc()
-                    log.info("webhook delivered", extra={"event_id": eid, "url": url})
-                    return
-                problem = f"HTTP {r.status}"
+            async with session.post(row["url"], data=payload.encode(), headers=headers) as r:
+                return None if 200 <= r.status < 300 else f"HTTP {r.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            problem = f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {e}"
+
+    def _record(self, row: sqlite3.Row, problem: str | None) -> None:
+        """The attempt's outcome in the outbox: delivered, retried later, or given up."""
+        eid, url = row["event_id"], row["url"]
         attempts = row["attempts"] + 1
+        if problem is None:
+            self.store.delivered(eid, url, "delivered", attempts, time.time())
+            metrics.webhook_deliveries.labels("delivered").inc()
+            log.info("webhook delivered", extra={"event_id": eid, "url": url})
+            return
         if attempts >= self.cfg.webhook_max_attempts:
             self.store.delivered(eid, url, "given_up", attempts, time.time())
             metrics.webhook_deliveries.labels("given_up").inc()
-            log.error("webhook given up after %d attempts (%s)", attempts, problem,
+            log.error("webhook %s given up after %d attempts (%s)", eid, attempts, problem,
                       extra={"event_id": eid, "url": url})
             return
         wait = min(self.cfg.webhook_backoff_s * 2 ** (attempts - 1), _MAX_BACKOFF_S)
         self.store.delivered(eid, url, "pending", attempts, time.time() + wait)
         metrics.webhook_deliveries.labels("retry").inc()
-        log.warning("webhook failed (%s); retry in %.1fs", problem, wait,
+        log.warning("webhook %s failed (%s); retry in %.1fs", eid, problem, wait,
                     extra={"event_id": eid, "url": url, "attempt": attempts})

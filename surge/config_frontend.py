@@ -3,9 +3,14 @@ surge/config.py gathers them into SurgeConfig."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import base64
+import binascii
+from typing import TYPE_CHECKING, Annotated
 
 from msgspec import Meta, Struct
+
+if TYPE_CHECKING:
+    from surge.config import TenantConfig
 
 
 class ResultCacheConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -47,7 +52,7 @@ class BatchConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = None
     batch_priority: Annotated[
         int, Meta(description="scheduler priority of batch lines (lower is more urgent); "
-                  "above every interactive default, so batches yield")
+                  "must be above every tenant's priority, so batches yield")
     ] = 100
     batch_max_in_flight: Annotated[
         int, Meta(ge=1, description="batch lines submitted to the scheduler at once, all "
@@ -71,3 +76,35 @@ class BatchConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     webhook_timeout_s: Annotated[
         float, Meta(gt=0, description="how long a receiver may take to answer")
     ] = 10.0
+
+
+def webhook_key(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret: the base64 after whsec_, else its bytes.
+    ValueError when the base64 is malformed or the key is empty."""
+    if not secret.startswith("whsec_"):
+        return secret.encode()
+    try:
+        key = base64.b64decode(secret[6:], validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"the base64 after whsec_ is malformed ({e})") from None
+    if not key:
+        raise ValueError("whsec_ is followed by no key")
+    return key
+
+
+def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str | None:
+    """What makes the tenants unusable with the Batch API, if anything (checked at start and
+    on set): a webhook secret that signs nothing, or a tenant whose own requests would be
+    less urgent than its batch lines."""
+    for name, tenant in tenants.items():
+        if tenant.webhook_secret:
+            try:
+                webhook_key(tenant.webhook_secret)
+            except ValueError as e:
+                return f"tenants.{name}.webhook_secret: {e}"
+        if tenant.priority >= batch.batch_priority:
+            return (f"tenants.{name}.priority={tenant.priority} is not below "
+                    f"batch_priority={batch.batch_priority}: batch lines must be less urgent "
+                    f"than every tenant's own requests; lower the tenant's priority or raise "
+                    f"--batch-priority")
+    return None

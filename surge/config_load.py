@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from surge.config import SECTIONS, ConfigError, SurgeConfig
+from surge.config_frontend import tenants_problem
 
 
 def _options() -> dict[str, tuple[str, Any]]:
@@ -98,7 +99,7 @@ def load_config(
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid configuration: {e}") from e
-    if problem := cfg.speculative.problem():
+    if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch):
         raise ConfigError(problem)
     return cfg
 

@@ -64,8 +64,9 @@ result_cache_errors = Counter("surge_result_cache_errors", "result cache backend
                               ["operation"])
 batches = Gauge("surge_batches", "Batch API batches by state", ["state"],
                 multiprocess_mode="livemax")
-batch_lines = Counter("surge_batch_lines", "batch lines answered, by outcome: done (in the "
-                      "output file) or failed (in the error file)", ["outcome"])
+batch_lines = Counter("surge_batch_lines", "batch lines ended, by outcome: done (in the output "
+                      "file); failed (answered with an error), invalid (refused when read), "
+                      "cancelled or expired (never ran), all in the error file", ["outcome"])
 webhook_deliveries = Counter("surge_webhook_deliveries", "webhook delivery attempts, by "
                              "result: delivered, retry, given_up", ["result"])
 

@@ -1,5 +1,6 @@
 """The Files + Batches API end to end, through the official openai client: output and error
-files, bad lines and uploads, tenants, cancel, expiry, listing, signed webhooks with retries."""
+files, bad lines and uploads, files that fail the batch, tenants, cancel, expiry, listing,
+metrics against /stats, signed webhooks (each delivery verified) with retries."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from server.batch_runner import OUTCOMES
 from surge.keys import KeyStore
 from tests.server import ServerProcess
 from tests.webhook_receiver import Receiver
@@ -31,7 +34,7 @@ def jsonl(lines: list[dict | str]) -> bytes:
 
 @pytest.fixture(scope="module")
 def receiver():
-    receiver = Receiver(failures=2)
+    receiver = Receiver(SECRET, failures=2)
     yield receiver
     receiver.close()
 
@@ -44,10 +47,12 @@ def env(tmp_path_factory, receiver):
 webhook_urls = "{receiver.url}"
 webhook_secret = "{SECRET}"
 webhook_from_metadata = true
+[tenants.metered]
+tokens_per_min = 80
 """)
     keys = KeyStore(str(root / "keys.json"))
     return {"root": root, "keys": {name: keys.add(name)[1] for name in ("alpha", "beta",
-                                                                         "admin")}}
+                                                                         "metered", "admin")}}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +61,7 @@ def server(env):
     server = ServerProcess("--config", str(root / "surge.toml"), "--api-keys-file",
                            str(root / "keys.json"), "--state-dir", str(root / "state"),
                            "--batch-max-in-flight", "3", "--batch-max-file-bytes", "65536",
+                           "--batch-max-lines", "30",
                            "--webhook-backoff-s", "0.2",
                            env={"XDG_RUNTIME_DIR": str(root)}).wait_ready()
     yield server
@@ -65,6 +71,13 @@ def server(env):
 def client(server: ServerProcess, env: dict, tenant: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=env["keys"][tenant],
                          max_retries=0)
+
+
+def admin_get(server: ServerProcess, env: dict, path: str) -> str:
+    request = urllib.request.Request(f"{server.url}{path}", headers={
+        "Authorization": f"Bearer {env['keys']['admin']}"})
+    with urllib.request.urlopen(request) as r:
+        return r.read().decode()
 
 
 def wait_done(c: openai.OpenAI, batch_id: str, timeout: float = 120) -> openai.types.Batch:
@@ -96,13 +109,12 @@ def test_batch_answers_each_line_as_the_endpoint_does(server, env, receiver):
     good = [chat_line(f"q{i}", f"Count to {i}.") for i in range(5)]
     bad = ["{not json", {**chat_line("wrong-url", "hi"), "url": "/v1/embeddings"},
            chat_line("unknown-field", "hi", frobnicate=1),
-           chat_line("refused", "hi", n=100000), chat_line("streamed", "hi", stream=True),
-           chat_line("q0", "a second line with a used custom_id")]
+           chat_line("refused", "hi", n=100000), chat_line("streamed", "hi", stream=True)]
     batch = wait_done(c, run_batch(c, good[:3] + bad + good[3:],
                                    metadata={"purpose": "test"}).id)
     assert batch.status == "completed", batch
-    assert batch.request_counts.total == 11
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 6)
+    assert batch.request_counts.total == 10
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 5)
     assert batch.metadata == {"purpose": "test"}
     out = lines_of(c, batch.output_file_id)
     assert sorted(x["custom_id"] for x in out) == [f"q{i}" for i in range(5)]
@@ -114,11 +126,18 @@ def test_batch_answers_each_line_as_the_endpoint_does(server, env, receiver):
         k: v for k, v in good[2]["body"].items()})
     answered = next(x for x in out if x["custom_id"] == "q2")["response"]["body"]
     assert answered["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    # usage: the answered lines' usages summed, as OpenAI's batch object has it.
+    usages = [x["response"]["body"]["usage"] for x in out]
+    assert batch.usage is not None
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert batch.usage.input_tokens_details.cached_tokens == 0
+    assert batch.usage.output_tokens_details.reasoning_tokens == 0
     errors = {x["custom_id"]: x for x in lines_of(c, batch.error_file_id)}
-    assert set(errors) == {None, "wrong-url", "unknown-field", "refused", "streamed", "q0"}
+    assert set(errors) == {None, "wrong-url", "unknown-field", "refused", "streamed"}
     assert errors[None]["error"]["code"] == "invalid_json"
     assert errors["wrong-url"]["error"]["code"] == "invalid_url"
-    assert errors["q0"]["error"]["code"] == "duplicate_custom_id"
     for name, param in (("unknown-field", "frobnicate"), ("refused", "n"),
                         ("streamed", "stream")):
         response = errors[name]["response"]
@@ -126,12 +145,12 @@ def test_batch_answers_each_line_as_the_endpoint_does(server, env, receiver):
         assert param in response["body"]["error"]["message"] or \
             response["body"]["error"]["param"] == param
 
-    # The webhook: signed, answered 500 twice, then delivered; one stable event id.
+    # The webhook: each attempt signed (the receiver verifies it), answered 500 twice, then
+    # delivered; one stable event id.
     deliveries = receiver.wait_for(1)
     assert [d[2] for d in deliveries] == [500, 500, 200]
     assert len({d[1]["webhook-id"] for d in deliveries}) == 1
-    event = c.webhooks.unwrap(deliveries[-1][0], deliveries[-1][1], secret=SECRET)
-    assert event.type == "batch.completed" and event.data.id == batch.id
+    assert receiver.events == [("batch.completed", batch.id, s) for s in (500, 500, 200)]
     with pytest.raises(openai.InvalidWebhookSignatureError):
         c.webhooks.unwrap(deliveries[-1][0], deliveries[-1][1], secret="whsec_" + "QUJD" * 8)
 
@@ -183,7 +202,7 @@ def test_tenants_see_only_their_own(server, env):
     assert wait_done(alpha, batch.id).status == "completed"
 
 
-def test_cancel_and_expiry_split_lines_between_the_files(server, env):
+def test_cancel_and_expiry_split_lines_between_the_files(server, env, receiver):
     c = client(server, env, "alpha")
     lines = [chat_line(f"c{i}", f"Write a long story number {i}.", max_tokens=48)
              for i in range(24)]
@@ -200,8 +219,50 @@ def test_cancel_and_expiry_split_lines_between_the_files(server, env):
         assert sorted(out + [x["custom_id"] for x in errors]) == sorted(x["custom_id"]
                                                                         for x in lines)
         assert errors and all(x["error"]["code"] == code for x in errors)
+        receiver.wait_event(f"batch.{end}", batch_id)
     with pytest.raises(openai.ConflictError):
         c.batches.cancel(cancelled.id)
+
+
+def test_a_file_that_cannot_run_fails_the_batch(server, env, receiver):
+    c = client(server, env, "alpha")
+    duplicated = [chat_line("a", "hi"), chat_line("b", "hi"), chat_line("a", "again")]
+    too_long = [chat_line(f"l{i}", "hi") for i in range(31)]  # --batch-max-lines 30
+    for lines, code, line, needle in ((duplicated, "duplicate_custom_id", 3, "used by line 1"),
+                                      (too_long, "too_many_lines", 31, "more than 30 lines")):
+        batch = wait_done(c, run_batch(c, lines).id)
+        assert batch.status == "failed" and batch.failed_at is not None, batch
+        assert batch.errors is not None and batch.errors.data is not None
+        [error] = batch.errors.data
+        assert (error.code, error.line) == (code, line) and needle in error.message, error
+        assert batch.output_file_id is None and batch.error_file_id is None
+        receiver.wait_event("batch.failed", batch.id)
+    assert all(status != 400 for _, _, status in receiver.deliveries)  # every one verified
+
+
+def test_batch_lines_spend_the_tenants_quota(server, env):
+    """Lines run as their tenant: three at once (--batch-max-in-flight 3) of about 31 prompt
+    tokens each do not fit its tokens_per_min bucket of 80, so the third is refused with 429,
+    waits its Retry-After and runs instead of failing."""
+    c = client(server, env, "metered")
+    lines = [chat_line(f"m{i}", "hi", max_tokens=1) for i in range(3)]
+    batch = wait_done(c, run_batch(c, lines).id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    assert batch.usage is not None and batch.usage.input_tokens > 80
+    refused = ("surge_rejected_requests_total", (("limit", "tokens_per_min"),
+                                                 ("tenant", "metered")))
+    served = ("surge_tenant_served_tokens_total", (("tenant", "metered"),))
+    deadline = time.monotonic() + 10
+    while True:  # the scheduler exports its counters a moment later
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in
+                   text_string_to_metric_families(admin_get(server, env, "/metrics"))
+                   for s in family.samples}
+        if samples.get(refused, 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # Nothing else ran as this tenant: the refusal and the tokens are its lines'.
+    assert samples.get(refused, 0) >= 1, "no line was refused: the bucket was not spent"
+    assert samples[served] > 0
 
 
 def test_list_pages_and_stats(server, env):
@@ -214,14 +275,17 @@ def test_list_pages_and_stats(server, env):
     assert {f.purpose for f in c.files.list(purpose="batch_output")} == {"batch_output"}
     with pytest.raises(openai.BadRequestError, match="order"):
         c.files.list(order="asc")
-    request = urllib.request.Request(f"{server.url}/stats", headers={
-        "Authorization": f"Bearer {env['keys']['admin']}"})
-    with urllib.request.urlopen(request) as r:
-        stats = json.load(r)["batches"]
-    assert stats["by_state"]["completed"] >= 2 and stats["lines_done"] >= 6
-    with urllib.request.urlopen(urllib.request.Request(f"{server.url}/metrics", headers={
-            "Authorization": f"Bearer {env['keys']['admin']}"})) as r:
-        text = r.read().decode()
+    stats = json.loads(admin_get(server, env, "/stats"))["batches"]
+    assert stats["by_state"]["completed"] >= 2 and stats["by_state"]["failed"] == 2
+    text = admin_get(server, env, "/metrics")
     assert 'surge_batches{state="completed"}' in text
-    assert 'surge_batch_lines_total{outcome="done"}' in text
+    # The counter (lines ended here) and /stats (lines kept) agree outcome by outcome; every
+    # outcome happened in this module's batches.
+    counted = {s.labels["outcome"]: int(s.value) for family in
+               text_string_to_metric_families(text) for s in family.samples
+               if s.name == "surge_batch_lines_total"}
+    assert set(counted) == set(OUTCOMES) and min(counted.values()) > 0, counted
+    assert counted == {k: stats["lines_by_outcome"].get(k, 0) for k in OUTCOMES}
+    assert stats["lines_done"] == counted["done"] and stats["lines_pending"] == 0
+    assert stats["lines_failed"] == sum(counted.values()) - counted["done"]
     assert os.path.exists(env["root"] / "state" / "batches.sqlite3")

@@ -39,7 +39,7 @@ def done_rows(root) -> dict[str, str]:
 
 
 def test_kill_9_mid_batch_and_mid_delivery(tmp_path):
-    receiver = Receiver(failures=10**6)  # refuses everything until told otherwise
+    receiver = Receiver(SECRET, failures=10**6)  # refuses everything until told otherwise
     lines = [chat_line(f"r{i}", f"Tell me about the number {i}.", max_tokens=8)
              for i in range(24)]
     server = start(tmp_path, 1, receiver)
@@ -77,6 +77,7 @@ def test_kill_9_mid_batch_and_mid_delivery(tmp_path):
     try:
         deliveries = receiver.wait_for(1)
         assert len({d[1]["webhook-id"] for d in deliveries}) == 1  # one event, retried
+        assert receiver.events == [("batch.completed", batch_id, d[2]) for d in deliveries]
         event = c.webhooks.unwrap(deliveries[-1][0], deliveries[-1][1], secret=SECRET)
         assert event.type == "batch.completed" and event.data.id == batch_id
         c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

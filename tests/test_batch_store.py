@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server.batch_lines import read_lines
+from server.batch_lines import FileError, read_lines
 from server.batch_store import BatchStore, StateDirBusy
 
 CHAT = "/v1/chat/completions"
@@ -48,18 +48,24 @@ def test_a_line_is_recorded_once_and_pending_skips_lines_in_flight(tmp_path):
     assert store.counts("b") == {"done": 1, "pending": 1}
 
 
-def test_retention_removes_ended_batches_and_old_files(tmp_path):
+def test_retention_removes_ended_batches_and_old_files_not_in_use(tmp_path):
     store = BatchStore(str(tmp_path))
-    store.add_batch("t", batch("old", "in_progress"))
-    store.add_batch("t", batch("running", "in_progress"))
+    store.add_batch("t", {**batch("old", "in_progress"), "input_file_id": "file-1"})
+    store.add_batch("t", {**batch("running", "in_progress"), "input_file_id": "file-2"})
     store.update("old", ("in_progress",), status="completed")
     store.add_lines("old", [(1, "a", "done", None, "{}")])
-    store.path("file-1").write_text("x")
-    store.add_file("t", "file-1", "batch", "in.jsonl", 1)
+    for file_id in ("file-1", "file-2"):
+        store.path(file_id).write_text("x")
+        store.add_file("t", file_id, "batch", "in.jsonl", 1)
     assert store.remove_old(time.time() + 1) == 2
     assert store.batch("t", "old") is None and store.counts("old") == {}
     assert store.batch("t", "running") is not None
     assert store.file("t", "file-1") is None and not store.path("file-1").exists()
+    # The running batch's input outlives the retention period until the batch ends.
+    assert store.file("t", "file-2") is not None and store.path("file-2").exists()
+    store.update("running", ("in_progress",), status="cancelled")
+    assert store.remove_old(time.time() + 1) == 2
+    assert store.file("t", "file-2") is None and not store.path("file-2").exists()
 
 
 def test_bad_lines_each_get_a_reason(tmp_path):
@@ -68,18 +74,23 @@ def test_bad_lines_each_get_a_reason(tmp_path):
              json.dumps({**good, "custom_id": "m", "method": "GET"}),
              json.dumps({**good, "custom_id": "u", "url": "/v1/completions"}),
              json.dumps({**good, "custom_id": "x", "extra": 1}),
-             json.dumps({**good, "custom_id": "b", "body": "text"}), json.dumps(good), "",
-             json.dumps(good)]
+             json.dumps({**good, "custom_id": "b", "body": "text"}), "", json.dumps(good)]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
     rows = read_lines(path, "batch_1", CHAT, 100)
     codes = [json.loads(r[4])["error"]["code"] if r[2] == "failed" else "ok" for r in rows]
     assert codes == ["invalid_json", "invalid_json", "missing_custom_id", "invalid_method",
-                     "invalid_url", "invalid_request", "invalid_body", "ok",
-                     "duplicate_custom_id"]
-    assert [r[0] for r in rows][-1] == 10  # numbered as in the file, blank lines too
-    with pytest.raises(ValueError, match="more than 3 lines"):
+                     "invalid_url", "invalid_request", "invalid_body", "ok"]
+    assert [r[0] for r in rows][-1] == 9  # numbered as in the file, blank lines too
+    with pytest.raises(FileError, match="more than 3 lines") as e:
         read_lines(path, "batch_1", CHAT, 3)
+    assert (e.value.code, e.value.line) == ("too_many_lines", 4)
+    # A custom_id twice fails the whole file, as OpenAI's validation does, a bad line's too.
+    path.write_text("\n".join([json.dumps(good), json.dumps({**good, "custom_id": "x"}),
+                               json.dumps({**good, "method": "GET"})]) + "\n")
+    with pytest.raises(FileError, match="'a' of line 3 is used by line 1") as e:
+        read_lines(path, "batch_1", CHAT, 100)
+    assert (e.value.code, e.value.param, e.value.line) == ("duplicate_custom_id", "custom_id", 3)
 
 
 def test_one_server_per_state_dir(tmp_path):

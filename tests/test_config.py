@@ -43,6 +43,15 @@ def test_env_config_path_and_bool_flags(tmp_path):
     ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
     ([], {}, "[server]\nprot = 1\n", "prot"),
     ([], {}, "[server\n", "cannot read"),
+    # A secret that cannot sign would stop no event until the first one is sent.
+    ([], {}, '[tenants.alpha]\nwebhook_secret = "whsec_not base64!"\n',
+     r"tenants\.alpha\.webhook_secret: the base64 after whsec_ is malformed"),
+    ([], {}, '[tenants.alpha]\nwebhook_secret = "whsec_"\n', r"tenants\.alpha\.webhook_secret"),
+    # Batch lines must stay less urgent than a tenant's own requests.
+    ([], {}, "[tenants.bulk]\npriority = 100\n",
+     r"tenants\.bulk\.priority=100 is not below batch_priority=100"),
+    (["--batch-priority", "5"], {}, "[tenants.bulk]\npriority = 10\n",
+     r"tenants\.bulk\.priority=10 is not below batch_priority=5"),
 ])
 def test_bad_values_are_refused_with_the_name(tmp_path, argv, env, text, message):
     if text is not None:
@@ -91,3 +100,13 @@ def test_the_example_config_loads_with_its_commented_tables_switched_on(tmp_path
     assert cfg.tenants["batch"].degrade == "cap-then-refuse"
     assert cfg.overload.ttft_slo_s == 2.0
     assert cfg.tenants["batch"].webhook_urls and cfg.batch.state_dir == "/var/lib/surge"
+
+
+def test_live_tenant_edits_are_checked_as_the_file_is():
+    from scheduler.admin import updated
+
+    cfg = load_config({}, {})
+    assert "batch_priority=100" in updated(cfg, {"tenants.bulk.priority": "100"})
+    assert "webhook_secret" in updated(cfg, {"tenants.bulk.webhook_secret": "whsec_%%"})
+    edited = updated(cfg, {"tenants.bulk.priority": "99"})
+    assert not isinstance(edited, str) and edited.tenants["bulk"].priority == 99

@@ -1,5 +1,6 @@
-"""A real HTTP webhook receiver for tests: aiohttp on a free port, in a thread; it keeps every
-delivery it gets and answers 500 to the first `failures` deliveries of each event."""
+"""A real HTTP webhook receiver for tests: aiohttp on a free port, in a thread; it verifies
+every delivery's signature with the openai client (400 when it fails), keeps every delivery,
+and answers 500 to the first `failures` deliveries of each event."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import asyncio
 import threading
 import time
 
+import openai
 from aiohttp import web
 
 from tests.server import free_port
 
 
 class Receiver:
-    def __init__(self, failures: int = 0) -> None:
+    def __init__(self, secret: str, failures: int = 0) -> None:
+        self.secret = secret
         self.failures = failures
+        self.client = openai.OpenAI(api_key="none", base_url="http://127.0.0.1:9")  # unwrap only
+        # (type, batch id, status answered) of each delivery whose signature verified
+        self.events: list[tuple[str, str, int]] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/hook"
         self.deliveries: list[tuple[bytes, dict[str, str], int]] = []  # payload, headers, status
@@ -37,12 +43,28 @@ class Receiver:
     async def _hook(self, request: web.Request) -> web.Response:
         payload = await request.read()
         headers = dict(request.headers)
+        try:
+            event = self.client.webhooks.unwrap(payload, headers, secret=self.secret)
+        except openai.InvalidWebhookSignatureError:
+            event = None
         with self.lock:
             seen = sum(1 for _, h, _ in self.deliveries
                        if h.get("webhook-id") == headers.get("webhook-id"))
-            status = 500 if seen < self.failures else 200
+            status = 400 if event is None else 500 if seen < self.failures else 200
             self.deliveries.append((payload, headers, status))
+            if event is not None:
+                self.events.append((event.type, event.data.id, status))  # type: ignore[union-attr]
         return web.Response(status=status)
+
+    def wait_event(self, kind: str, batch_id: str, timeout: float = 60) -> None:
+        """Block until the event was delivered (verified and answered 200)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if (kind, batch_id, 200) in self.events:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"no {kind} for {batch_id}: {self.events}")
 
     def of(self, event_id: str) -> list[tuple[bytes, dict[str, str], int]]:
         with self.lock:
