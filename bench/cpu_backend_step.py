@@ -1,0 +1,65 @@
+"""The C++ kernel backend against the serving default on this CPU: runner decode-step time,
+the models stepped alternately in one process so both see the same load. bf16: the default
+(reference kernels, oneDNN-packed weights) vs `--kernel-backend cpu` (C++ paged attention,
+norms and small-M products); int4: PyTorch's int4 operator vs the C++ int4 product.
+
+Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_backend_step [--batches 1,4,64]
+       [--steps 12] [--modes bf16,int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import kernels
+from bench.packed_weights import cpu_kind, decoding_engine, step_times
+from gpu_workers.kernel_linear import route_linears
+from gpu_workers.llama import LlamaModel
+from gpu_workers.loader import load_model
+from gpu_workers.packed import pack_model
+from gpu_workers.quant import quantize_model
+from surge.model_files import resolve_model
+
+
+def load(mode: str, backend: str) -> LlamaModel:
+    """The bundled model as the worker prepares it for this mode and kernel backend."""
+    model = load_model(resolve_model("default"), torch.device("cpu"), torch.bfloat16,
+                       keep_q4_1=mode == "int4")
+    model.ops = kernels.for_device(torch.device("cpu"), backend)
+    if mode == "int4":
+        quantize_model(model, "int4", 32, ops=model.ops)
+    if backend == "cpu":
+        route_linears(model, model.ops)
+    else:
+        pack_model(model)
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,4,64")
+    parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--modes", default="bf16,int4")
+    opts = parser.parse_args()
+    print(f"{cpu_kind()}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    for mode in opts.modes.split(","):
+        models = {backend: load(mode, backend) for backend in ("reference", "cpu")}
+        for batch in (int(b) for b in opts.batches.split(",")):
+            t = step_times({name: decoding_engine(m, batch, opts.context)
+                            for name, m in models.items()}, opts.steps)
+            print(f"{mode} batch {batch:3d} at context ~{opts.context}: step reference "
+                  f"{t['reference'] * 1e3:.1f} ms, cpu {t['cpu'] * 1e3:.1f} ms "
+                  f"(cpu {t['reference'] / t['cpu']:.2f}x)")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
