@@ -198,6 +198,9 @@ def test_drained_node_loses_no_request(cluster: Cluster) -> None:
         _when(lambda: min(progress) >= 2)
         node.proc.send_signal(signal.SIGTERM)
         _when(lambda: _health(node) == 503)  # draining: new requests are refused there
+        direct = httpx.post(f"{node.url}/v1/completions", timeout=30,
+                            json={"model": cluster.model, "prompt": "Hi", "max_tokens": 2})
+        assert (direct.status_code, direct.headers.get("retry-after")) == (503, "1"), direct
         late = [pool.submit(cluster.chat, f"Late {i}", 4) for i in range(8)]
         results = [s.result() for s in streams]
         late_nodes = [f.result()[1] for f in late]  # raises on any failed request
