@@ -38,7 +38,9 @@ def error_body(status: int, message: str, param: str | None = None,
 
 def draining_error() -> ApiError:
     """What a new request gets once SIGTERM has started the drain."""
-    return ApiError(503, "surge is shutting down; send this request to another server")
+    # Retry-After 1: another node (or this one's replacement) can take it now.
+    return ApiError(503, "surge is shutting down; send this request to another server",
+                    retry_after=1.0)
 
 
 def error_response(status: int, message: str, param: str | None = None,
