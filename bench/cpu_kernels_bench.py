@@ -5,7 +5,10 @@ kernel (kernels/cpu/gemv.cpp) against oneDNN on packed weights and plain F.linea
 microseconds and in GB/s of weights read, beside the machine's measured copy bandwidth.
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16]
-       [--repeats 30] [--output result.json]
+       [--repeats 30] [--threads N] [--output result.json]
+
+With one thread the figures hold while another process has the other core: a two-thread
+parallel region waits for both cores (a busy one costs a scheduler slice, milliseconds).
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--output")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ext = extension()
     if ext is None:
         raise SystemExit("the C++ kernels did not build")
