@@ -4,8 +4,6 @@ configs are read by gpu_workers/families.py)."""
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -20,7 +18,7 @@ from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
 from surge.gguf_header import GGUFHeaderError, read_header
 from surge.log import show_progress
-from surge.model_files import ModelFiles, gguf_metadata
+from surge.model_files import ModelFiles, gguf_metadata, weight_files
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -175,7 +173,7 @@ def _gguf_rope_factors(tensors: dict[str, Any], cfg: LlamaConfig, meta: dict) ->
 def _safetensors(folder: str) -> Tensors:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    files = weight_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
     for file in tqdm(files, desc="loading weights", unit="file", leave=False,
