@@ -56,6 +56,12 @@ def _write_keys(writer, c, arch: str) -> None:  # noqa: ANN001 (gguf and transfo
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter
         original = c.original_max_position_embeddings
         writer.add_rope_scaling_orig_ctx_len(original)

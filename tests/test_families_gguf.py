@@ -19,6 +19,7 @@ CASES = {
     "mistral": ({}, "llama"),  # a window kept in llama.attention.sliding_window
     "llama3": ({}, "llama"),  # llama3 rope as llama.cpp's rope_freqs tensor
     "qwen2": ({}, "qwen2"),
+    "qwen2-yarn": ({}, "qwen2"),  # rope.scaling.type yarn
     "qwen3": ({}, "qwen3"),
     "phi3": ({}, "phi3"),
     "phi3-longrope": ({}, "phi3"),  # rope_factors_short / _long tensors
@@ -37,11 +38,11 @@ def test_gguf_round_trip_gives_the_tokens_of_transformers(family, tmp_path):
 
     assert GGUFReader(str(tmp_path / "model.gguf")).fields["general.architecture"].contents() \
         == arch
-    assert cfg.qkv_bias == (family == "qwen2")
+    assert cfg.qkv_bias == family.startswith("qwen2")
     assert cfg.tie_word_embeddings == (family in ("qwen2", "gemma2", "gemma3"))
     windowed = {"mistral": [True] * 2, "gemma2": [True, False],
                 "gemma3": [True] * 5 + [False]}.get(family, [])
     assert cfg.window_layers == windowed
     assert cfg.sliding_window == (WINDOW if windowed else 0)
-    assert (cfg.rope_scaling is not None) == (family in ("llama3", "phi3-longrope"))
+    assert (cfg.rope_scaling is not None) == (family in ("llama3", "qwen2-yarn", "phi3-longrope"))
     assert ours == expected
