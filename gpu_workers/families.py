@@ -12,7 +12,8 @@ from surge.model_files import ModelFiles, context_length, gguf_metadata, hf_conf
 # Hugging Face model_type values, and GGUF general.architecture values.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
                "qwen3_moe")
-GGUF_FAMILIES = ("llama", "qwen3moe")  # Mixtral is "llama" with expert_count
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                 "qwen3moe")  # Mixtral and Mistral are "llama"
 # Their RMSNorms multiply by (1 + w): the weights are stored as w.
 _PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
 # MLP activations (hidden_act / hidden_activation) -> LlamaConfig.activation.
@@ -131,35 +132,86 @@ def _experts_from_hf(c: Any) -> dict:
                 moe_renormalize=c.norm_topk_prob, dense_layers=dense)
 
 
+# llama.cpp's fixed choices for Gemma, which its GGUF files do not carry: which layers are
+# windowed (every layer but each pattern-th), the window when none is given (Gemma 2), the
+# windowed layers' rotary base (Gemma 3), and the layer count of the 27B models, whose queries
+# are scaled by (hidden / heads) ** -0.5 instead of head_dim ** -0.5.
+_GGUF_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Architectures whose attention.sliding_window surge applies to every layer (llama.cpp's
+# converter writes none for Mistral; Phi-3's is applied as transformers does, which llama.cpp
+# leaves off).
+_GGUF_WINDOWED = ("llama", "phi3")
+
+
 def config_from_gguf(meta: dict) -> LlamaConfig:
     arch = meta["general.architecture"]
-    heads = int(meta[f"{arch}.attention.head_count"])
-    hidden = int(meta[f"{arch}.embedding_length"])
-    scaling = None
-    if f"{arch}.rope.scaling.type" in meta:
-        scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
-                   "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    vocab = meta.get(f"{arch}.vocab_size")
-    experts = int(meta.get(f"{arch}.expert_count", 0))
-    ff = int(meta[f"{arch}.feed_forward_length"])
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModel(f"GGUF {arch}: partial rotary embeddings are not supported")
+    layers = int(key("block_count"))
+    vocab = key("vocab_size")
+    experts = int(key("expert_count", 0))
+    ff = int(key("feed_forward_length"))
+    gemma = arch in _GGUF_WINDOW_PATTERN
+    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if gemma:
+        windowed = [(i + 1) % _GGUF_WINDOW_PATTERN[arch] != 0 for i in range(layers)]
+    else:
+        windowed = [bool(window) and arch in _GGUF_WINDOWED] * layers
+    scaled_by = hidden // heads if layers == _GGUF_27B_LAYERS.get(arch) else head_dim
     return LlamaConfig(
         vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
         hidden_size=hidden,
         intermediate_size=ff,
-        num_layers=int(meta[f"{arch}.block_count"]),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(arch, meta),
+        max_position_embeddings=int(key("context_length")),
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
-        qk_norm=arch == "qwen3moe",
+        qkv_bias=False,  # set by the loader when attn_q.bias exists
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+        sandwich_norms=gemma,
+        activation="gelu_tanh" if gemma else "silu",
+        embed_scale=hidden**0.5 if gemma else 1.0,
+        attn_scale=scaled_by**-0.5 if gemma else 0.0,
+        attn_softcap=float(key("attn_logit_softcapping", 0.0)),
+        final_softcap=float(key("final_logit_softcapping", 0.0)),
+        sliding_window=window if any(windowed) else 0,
+        window_layers=windowed if any(windowed) else [],
+        local_rope_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0,
         num_experts=experts,
-        experts_per_token=int(meta.get(f"{arch}.expert_used_count", 0)),
-        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", ff)) if experts
-        else 0,
+        experts_per_token=int(key("expert_used_count", 0)),
+        moe_intermediate_size=int(key("expert_feed_forward_length", ff)) if experts else 0,
         # llama.cpp renormalises both families' top-k weights unless the file says otherwise.
-        moe_renormalize=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        moe_renormalize=bool(key("expert_weights_norm", True)),
     )
+
+
+def _gguf_rope_scaling(arch: str, meta: dict) -> dict | None:
+    """rope.scaling.* as a Hugging Face rope_parameters dict (None: no scaling)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedModel(f"GGUF {arch}: rope scaling {kind!r} is not supported "
+                               f"(linear, yarn)")
+    scaling = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(
+            meta[f"{arch}.rope.scaling.original_context_length"])
+        for name, field in (("attn_factor", "attention_factor"),
+                            ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{name}" in meta:
+                scaling[field] = float(meta[f"{arch}.rope.scaling.{name}"])
+    return scaling

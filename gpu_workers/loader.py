@@ -4,8 +4,6 @@ configs are read by gpu_workers/families.py)."""
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -14,13 +12,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gpu_workers.families import architecture, read_family
+from gpu_workers.families import UnsupportedModel, architecture, read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
 from surge.gguf_header import GGUFHeaderError, read_header
 from surge.log import show_progress
-from surge.model_files import ModelFiles
+from surge.model_files import ModelFiles, gguf_metadata, weight_files
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,7 +36,20 @@ _GGUF_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
 }
+# Where an architecture names its tensors otherwise: Phi-3's fused projections (split by
+# _unfused as Hugging Face's are), Gemma's norms around attention and MLP.
+_GGUF_ARCH_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+_GGUF_ARCH_NAMES["gemma3"] = _GGUF_ARCH_NAMES["gemma2"]
 # Every expert's weights of a layer stacked in one tensor [experts, rows, columns].
 _GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                  "ffn_down_exps.weight": "down_proj"}
@@ -99,11 +110,14 @@ def _gguf_file_tensors(path: str) -> list[Any]:
     return tensors
 
 
-def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, permuted: bool) -> Tensors:
+def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str) -> Tensors:
     """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized
-    (permuted: Q/K rows in llama.cpp's rotary order, as its converter writes Llama's)."""
+    (Llama's Q/K rows are in llama.cpp's rotary order, as its converter writes them)."""
     import gguf
     from gguf.quants import dequantize
+
+    names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(arch, {})
+    permuted = arch == "llama"
 
     for t in tqdm(tensors, desc="loading weights", unit="tensor", leave=False,
                  disable=not show_progress()):
@@ -116,9 +130,9 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, permuted: bool) -> Tenso
             for e, w in enumerate(stacked):
                 yield name.format(e), w, None
             continue
-        if short not in _GGUF_NAMES:
+        if short not in names:
             continue
-        name = _GGUF_NAMES[short]
+        name = names[short]
         if m:
             name = f"model.layers.{m.group(1)}.{name}"
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
@@ -131,10 +145,35 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, permuted: bool) -> Tenso
         yield name, w, blocks
 
 
+def _gguf_rope_factors(tensors: dict[str, Any], cfg: LlamaConfig, meta: dict) -> None:
+    """Rotary frequencies divided per dimension by factors stored as tensors: Llama 3's
+    rope_freqs (its llama3 scaling, precomputed) and Phi-3's LongRoPE pair, as the longrope
+    scaling (the short factors inside the original context, the long ones past it)."""
+    def factors(name: str) -> list[float]:
+        return np.asarray(tensors[name].data, dtype=np.float32).tolist()
+
+    arch = meta["general.architecture"]
+    if "rope_freqs.weight" in tensors:
+        if cfg.rope_scaling:
+            raise UnsupportedModel(f"GGUF {arch}: rope_freqs and rope.scaling.type together")
+        same = factors("rope_freqs.weight")
+        cfg.rope_scaling = {"rope_type": "longrope", "short_factor": same, "long_factor": same,
+                            "original_max_position_embeddings": cfg.max_position_embeddings,
+                            "attention_factor": 1.0}
+    elif "rope_factors_long.weight" in tensors:
+        original = meta.get(f"{arch}.rope.scaling.original_context_length",
+                            cfg.max_position_embeddings)
+        cfg.rope_scaling = {
+            "rope_type": "longrope", "short_factor": factors("rope_factors_short.weight"),
+            "long_factor": factors("rope_factors_long.weight"),
+            "original_max_position_embeddings": int(original),
+            "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))}
+
+
 def _safetensors(folder: str) -> Tensors:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    files = weight_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
     for file in tqdm(files, desc="loading weights", unit="file", leave=False,
@@ -258,9 +297,11 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         found = _gguf_file_tensors(files.path)
         names = {t.name: t for t in found}
         cfg.tie_word_embeddings = "output.weight" not in names
+        cfg.qkv_bias = "blk.0.attn_q.bias" in names
         if not cfg.vocab_size:
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
-        tensors = _gguf_tensors(found, cfg, permuted=architecture(files) == "llama")
+        _gguf_rope_factors(names, cfg, gguf_metadata(files.path))
+        tensors = _unfused(_gguf_tensors(found, cfg, architecture(files)), cfg)
     else:
         tensors = _mixtral_renamed(_unfused(_safetensors(files.folder), cfg))
     with torch.device("meta"):

@@ -70,10 +70,13 @@ def _check_model(model: str) -> None:
     """A model surge cannot find or serve is refused here, in one line, before any process
     starts (not by a traceback in a worker)."""
     from gpu_workers.families import UnsupportedModel, read_family
-    from surge.model_files import ModelError, resolve_model
+    from surge.model_files import ModelError, resolve_model, weight_files
 
     try:
-        read_family(resolve_model(model))
+        files = resolve_model(model)
+        read_family(files)
+        if not files.gguf_file:
+            weight_files(files.folder)  # an index naming missing shards
     except (ModelError, UnsupportedModel) as e:
         raise ConfigError(str(e)) from None
 

@@ -168,6 +168,25 @@ def context_length(max_positions: int, rope: dict) -> int:
 _SAMPLES, _SAMPLE_BYTES = 16, 64 * 1024
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: str) -> list[str]:
+    """A folder's safetensors files: the shards its index names, only those (a folder may keep
+    another copy of the weights beside them), else every *.safetensors."""
+    index = os.path.join(folder, SHARD_INDEX)
+    if not os.path.exists(index):
+        return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelError(f"{index}: not a shard index with a weight_map ({e})") from None
+    if missing := [n for n in names if not os.path.isfile(os.path.join(folder, n))]:
+        raise ModelError(f"{index} names shards that are missing: {', '.join(missing)}")
+    return [os.path.join(folder, n) for n in names]
+
+
 def weights_fingerprint(files: ModelFiles) -> str:
     """A digest of the weights, in milliseconds: each file's header and tensor table, its size
     and samples of its data (a folder's *.json files whole: config, chat template)."""
@@ -176,7 +195,7 @@ def weights_fingerprint(files: ModelFiles) -> str:
         paths = [files.path]
     else:
         paths = sorted(glob.glob(os.path.join(files.folder, "*.json")) +
-                       glob.glob(os.path.join(files.folder, "*.safetensors")))
+                       weight_files(files.folder))
     for path in paths:
         size = os.path.getsize(path)
         digest.update(f"{os.path.basename(path)}:{size}".encode())

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory, model_files) -> tuple[str, list[int], list[int]]:
     """A tiny Qwen2 folder with a tokenizer, whose generation_config.json ends a turn with two
-    ids (the third and fifth of a prompt's greedy answer) and samples greedily by default:
+    ids (the third and fifth of a prompt's greedy answer), samples greedily by default, and keeps
+    only the most likely token by its top_p (0.001 < 1 / vocab_size):
     (folder, prompt, the greedy answer by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -37,7 +38,8 @@ def qwen(tmp_path_factory, model_files) -> tuple[str, list[int], list[int]]:
     first_eos = next(i for i, t in enumerate(answer) if t in (answer[2], answer[4]))
     answer = answer[: first_eos + 1]
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [answer[-1], 255], "temperature": 0.0, "top_k": 5}, f)
+        json.dump({"eos_token_id": [answer[-1], 255], "temperature": 0.0, "top_p": 0.001,
+                   "top_k": 5}, f)
     return folder, prompt, answer
 
 
@@ -48,27 +50,36 @@ def test_tokenizer_reads_generation_config(qwen):
     folder, _, answer = qwen
     tok = Tokenizer(resolve_model(folder))
     assert {answer[-1], 255} <= set(tok.eos_token_ids)
-    assert tok.sampling_defaults == {"temperature": 0.0, "top_k": 5}
+    assert tok.sampling_defaults == {"temperature": 0.0, "top_p": 0.001, "top_k": 5}
 
 
 def test_every_eos_id_stops_and_defaults_apply(qwen):
     """No temperature in the request: generation_config's 0 makes it greedy; the answer stops at
-    the first token of the EOS list, the one the server learned from generation_config.json."""
+    the first token of the EOS list, the one the server learned from generation_config.json.
+    Sampled at temperature 1 with no top_p given, generation_config's top_p leaves only the
+    greedy token at each step (its top_k alone leaves 5: 3 seeds would part from it)."""
     folder, prompt, answer = qwen
     srv = ServerProcess("--model", folder).wait_ready()
     try:
-        body = json.dumps({"prompt": prompt, "max_tokens": 8, "logprobs": 0}).encode()
-        req = urllib.request.Request(f"{srv.url}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            choice = json.load(r)["choices"][0]
+        choices = [_complete(srv.url, {"prompt": prompt, "max_tokens": 8, "logprobs": 0})]
+        choices += [_complete(srv.url, {"prompt": prompt, "max_tokens": 8, "logprobs": 0,
+                                        "temperature": 1.0, "seed": seed}) for seed in (1, 2, 3)]
     finally:
         srv.stop()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    assert choice["finish_reason"] == "stop"
-    assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in answer]
+    for choice in choices:
+        assert choice["finish_reason"] == "stop"
+        assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in answer]
+
+
+def _complete(url: str, body: dict) -> dict:
+    """The one choice of a /v1/completions answer."""
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)["choices"][0]
 
 
 @pytest.mark.parametrize("kind", ["hf", "gguf"])

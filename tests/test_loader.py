@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from gpu_workers.loader import load_model
@@ -29,7 +32,6 @@ def test_our_gguf_header_reader_reads_what_the_gguf_package_reads(model_files, t
     back to the package)."""
     import gguf
     import numpy as np
-    import pytest
 
     from gpu_workers.loader import _gguf_file_tensors
     from surge.gguf_header import GGUFHeaderError, read_header
@@ -49,3 +51,37 @@ def test_our_gguf_header_reader_reads_what_the_gguf_package_reads(model_files, t
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(GGUFHeaderError):
         read_header(str(tmp_path / "x.gguf"))
+
+
+def test_sharded_checkpoint_loads_the_shards_its_index_names(tmp_path):
+    """A Qwen2 saved in shards of 50 kB (model.safetensors.index.json) beside a stray
+    *.safetensors of another model's weights under the same names (sorted after the shards:
+    read last, were every file read): only the indexed shards are read, and the tokens are
+    transformers' own; an index naming a missing shard is refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from surge.model_files import SHARD_INDEX, ModelError, resolve_model, weight_files
+    from tests.inprocess import InProcessEngine
+    from tests.tiny_families import save_tiny
+
+    folder = tmp_path / "sharded"
+    save_tiny(str(folder), "qwen2", shard_size="50kB")
+    shards = weight_files(str(folder))
+    assert len(shards) > 2 and (folder / SHARD_INDEX).exists()
+    save_tiny(str(tmp_path / "other"), "qwen2", seed=1)
+    stray = load_file(str(tmp_path / "other" / "model.safetensors"))
+    save_file(stray, str(folder / "stray.safetensors"))
+    prompt = [5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 9]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = InProcessEngine(load_model(resolve_model(str(folder)), torch.device("cpu"),
+                                        torch.float32))
+    engine.add("p", prompt, 16)
+    assert engine.run()["p"] == expected
+    os.remove(shards[-1])
+    with pytest.raises(ModelError, match=f"names shards that are missing: "
+                                         f"{os.path.basename(shards[-1])}"):
+        weight_files(str(folder))

@@ -23,7 +23,8 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
-               quantization: str, expert_parallel: bool, n_tokens: int) -> None:
+               quantization: str, expert_parallel: bool, n_tokens: int,
+               prompts: dict[str, list[int]]) -> None:
     """One rank: join the group, load its shard, serve every prompt with the in-process
     scheduler (each rank plans the same steps; rank 0 samples and broadcasts)."""
     from gpu_workers.loader import load_model
@@ -40,19 +41,21 @@ def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
 
         quantize_model(model, quantization, 32)
     engine = InProcessEngine(model, block_size=4, max_num_batched_tokens=32)
-    for name, ids in _prompts().items():
+    for name, ids in prompts.items():
         engine.add(name, ids, n_tokens)
     out.put((rank, engine.run()))
 
 
 def _run_group(size: int, folder: str, tmp_path, quantization: str = "none",
-               expert_parallel: bool = False, n_tokens: int = N_TOKENS
-               ) -> dict[int, dict[str, list[int]]]:
+               expert_parallel: bool = False, n_tokens: int = N_TOKENS,
+               prompts: dict[str, list[int]] | None = None) -> dict[int, dict[str, list[int]]]:
+    """Each rank's tokens for every prompt (by default _prompts())."""
+    prompts = _prompts() if prompts is None else prompts
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path / f"store-{size}-{quantization}")
     procs = [ctx.Process(target=_rank_main, args=(r, size, folder, store, out, quantization,
-                                                  expert_parallel, n_tokens))
+                                                  expert_parallel, n_tokens, prompts))
              for r in range(size)]
     for p in procs:
         p.start()

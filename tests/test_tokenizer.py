@@ -39,3 +39,44 @@ def test_a_cache_that_cannot_be_written_is_no_error(model_files, tmp_path, monke
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     assert Tokenizer(model_files).encode("The capital of France is")
     assert os.listdir(tmp_path) == ["file"]
+
+
+# A template of its own: its turn markers are special tokens the base vocabulary lacks, and a
+# system message is rendered apart from the turns (as Phi-3's and Gemma's templates do).
+_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}"
+             "<|sys|>{{ m.content | trim }}<|end|>\n{% else %}<|{{ m.role }}|>{{ m.content }}"
+             "<|end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+             "{% endif %}")
+_TURN_TOKENS = ["<|sys|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def test_a_folders_own_chat_template_renders_as_transformers(tmp_path):
+    """A model folder whose tokenizer files carry a custom chat template and its special tokens:
+    with a system message and add_generation_prompt, surge's prompt ids are transformers'
+    apply_chat_template's, each turn marker one id."""
+    from transformers import AutoTokenizer
+
+    from surge.model_files import resolve_model, tokenizer_files
+    from tests.tiny_families import save_tiny
+
+    save_tiny(str(tmp_path), "qwen2")
+    base = Tokenizer(tokenizer_files("default", None)).hf
+    base.add_special_tokens({"additional_special_tokens": _TURN_TOKENS})
+    base.chat_template = _TEMPLATE
+    base.save_pretrained(str(tmp_path))
+    ours = Tokenizer(resolve_model(str(tmp_path)))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    marker = dict(zip(_TURN_TOKENS, reference.convert_tokens_to_ids(_TURN_TOKENS), strict=True))
+    assert min(marker.values()) >= len(base) - len(_TURN_TOKENS)  # new ids, not pieces
+    for messages in CHAT:
+        ids = ours.apply_chat_template(messages)
+        want = reference.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+        assert ids == want, messages
+        assert ids[0] == reference.bos_token_id
+        assert ids.count(marker["<|end|>"]) == len(messages)
+        assert ids[-1] == marker["<|assistant|>"]
+        if messages[0]["role"] == "system":
+            assert ids[1] == marker["<|sys|>"]
+            text = reference.decode(ids[2: ids.index(marker["<|end|>"])])
+            assert text == messages[0]["content"]

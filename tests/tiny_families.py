@@ -50,8 +50,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def save_tiny(folder: str, family: str, seed: int = 0, **overrides: object) -> None:
-    """overrides: config fields over the family's tiny ones (e.g. a larger vocab_size)."""
+def save_tiny(folder: str, family: str, seed: int = 0, shard_size: str | None = None,
+              **overrides: object) -> None:
+    """overrides: config fields over the family's tiny ones (e.g. a larger vocab_size);
+    shard_size: the weights in shards of at most this size, with an index file."""
     import transformers
 
     cls, quirks = FAMILIES[family]
@@ -72,7 +74,8 @@ def save_tiny(folder: str, family: str, seed: int = 0, **overrides: object) -> N
             if gemma:
                 std = 0.02 if "embed" in name else 2 * std
             p.normal_(1.0 if "norm" in name and not gemma else 0.0, std)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True,
+                          **({"max_shard_size": shard_size} if shard_size else {}))
 
 
 def save_tiny_served(folder: str, family: str, **overrides: object) -> None:
