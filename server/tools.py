@@ -134,8 +134,10 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
 
 
 def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:
-    """One parser per choice when the model is offered tools (None: it is not)."""
+    """One parser per choice when the model is offered tools (None: it is not); without
+    parallel_tool_calls each keeps only the answer's first call."""
     if not tools_on(body):
         return None
     names = [t.function.name for t in body.tools or []]
-    return [parser_for(fmt, names) for _ in range(n)]
+    limit = None if body.parallel_tool_calls else 1
+    return [parser_for(fmt, names, limit) for _ in range(n)]
