@@ -177,6 +177,16 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
     assert chat_messages(none, template_takes_tools=False)[0][0]["role"] == "user"
 
 
+def test_a_message_name_reaches_the_chat_template(tokenizer):
+    body = _body(messages=[{"role": "user", "name": "ada", "content": "hi"},
+                           {"role": "user", "content": "and me"}], tool_choice="none")
+    messages, _ = chat_messages(body, template_takes_tools=False)
+    assert [m.get("name") for m in messages] == ["ada", None]
+    template = "{% for m in messages %}{{ m.name or '?' }}: {{ m.content }}\n{% endfor %}"
+    text = tokenizer.hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert text == "ada: hi\n?: and me\n"
+
+
 # What each format's constrained answer looks like: one call, then two.
 SAMPLES = {
     "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
