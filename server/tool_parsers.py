@@ -305,12 +305,12 @@ class ToolParser:
 
 
 def _held(buffer: str) -> int:
-    """How much of the buffer's end to hold back: trailing whitespace (it may precede a call)
-    and any start of OPEN."""
+    """How much of the buffer's end to hold back: trailing whitespace (it may precede a call),
+    and any start of OPEN with the whitespace before it."""
     stripped = buffer.rstrip()
     for k in range(min(len(OPEN) - 1, len(stripped)), 0, -1):
         if OPEN.startswith(stripped[-k:]):
-            return len(buffer) - len(stripped) + k
+            return len(buffer) - len(stripped[:-k].rstrip())
     return len(buffer) - len(stripped)
 
 

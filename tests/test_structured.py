@@ -230,6 +230,21 @@ def _checked(calls) -> list[tuple[str, dict]]:
     return out
 
 
+def well_formed(final) -> None:
+    """An answer under tool_choice auto: text, or calls of offered tools with valid
+    arguments, except a last call that max_tokens cut short (it keeps what was written)."""
+    calls = final.message.tool_calls or []
+    if final.finish_reason == "length" and calls:
+        assert calls[-1].function.name in ("get_weather", "get_time")
+        calls = calls[:-1]
+    elif calls:
+        assert final.finish_reason == "tool_calls"
+    else:
+        assert isinstance(final.message.content, str)
+        assert final.finish_reason in ("stop", "length")
+    _checked(calls)
+
+
 def streamed(client, **args) -> tuple[list[tuple[str, str]], str, str | None, int]:
     """A streamed chat answer assembled by index as the client's users do: (calls as
     (name, arguments text), content, finish_reason, most chunks any one call came in)."""
@@ -313,7 +328,7 @@ def test_auto_calls_all_or_only_the_first_and_unoffered_names_stay_text(client, 
 def test_two_turns_call_result_answer(client):
     first = client.chat.completions.create(
         model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
-        temperature=0, max_tokens=60)
+        temperature=0, max_tokens=60, parallel_tool_calls=False)
     message = first.choices[0].message
     (name, arguments), = _checked(message.tool_calls)
     followup = [*ASK_WEATHER, message.model_dump(exclude_none=True),
@@ -322,9 +337,7 @@ def test_two_turns_call_result_answer(client):
     answer = client.chat.completions.create(model=MODEL, messages=followup, tools=[WEATHER],
                                             temperature=0, max_tokens=40)
     final = answer.choices[0]
-    # With tool_choice auto the model may answer or call again; either is well-formed.
-    assert final.message.content or _checked(final.message.tool_calls)
-    assert final.finish_reason in ("stop", "length", "tool_calls")
+    well_formed(final)  # with tool_choice auto the model may answer or call again
     print(f"\n  call {name}({arguments}) -> answer {final.message.content!r}")
 
 

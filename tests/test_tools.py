@@ -5,8 +5,12 @@ same format's parser reads back)."""
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.openai_types import ChatCompletionRequest
 from server.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, format_of, parser_for
@@ -32,6 +36,8 @@ TEXTS = [
      [("get_weather", '{"ci')]),
     (HERMES, '<tool_call>{"name": "get_wea', '<tool_call>{"name": "get_wea', []),
     (HERMES, "a < b <tool", "a < b <tool", []),
+    (HERMES, '\n <tool_call>{"name": "get_time", "arguments": {}}</tool_call> \n', "",
+     [("get_time", "{}")]),  # whitespace around calls is not content
     (HERMES, '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call> no',
      '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call> no', []),
     # a brace, a quote and an escape inside a string do not end the arguments
@@ -103,6 +109,43 @@ def test_parser_whole_in_every_two_piece_split_and_one_character_at_a_time(
         shown, deltas, streamed = _fed(fmt, pieces)
         assert (shown, _assembled(deltas), _raw(streamed)) == (content, calls, calls), pieces
         assert len({d["id"] for d in deltas if "id" in d}) == len(calls)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text("ab{}[]\",:\\ \n<", max_size=6),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text("ab{}\":\\ ", max_size=4), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fmt=st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL]),
+       calls=st.lists(st.tuples(st.sampled_from([*NAMES, "nope"]), _JSON, st.booleans()),
+                      min_size=1, max_size=3),
+       data=st.data())
+def test_any_calls_in_any_pieces_parse_as_a_whole(fmt, calls, data):
+    """Arguments with brackets, quotes and escapes in their strings, written before or
+    after the name: fed in random pieces, the same content and calls as whole; whole, the
+    offered calls (in the JSON formats, those before the first one that is not a call)."""
+    objects = []
+    for name, arguments, name_first in calls:
+        items = [("name", name), (fmt.arguments_key, arguments)]
+        objects.append(json.dumps(dict(items if name_first else items[::-1])))
+    if fmt is HERMES:
+        text = "".join(f"<tool_call>\n{o}\n</tool_call>\n" for o in objects)
+        offered = [(n, json.dumps(a)) for n, a, _ in calls if n != "nope"]
+    else:
+        text = f"{fmt.separator} ".join(objects)
+        text = f"[{text}]" if fmt is MISTRAL else text
+        names = [n for n, _, _ in calls]
+        first = names.index("nope") if "nope" in names else len(calls)
+        offered = [(n, json.dumps(a)) for n, a, _ in calls[:first]]
+    whole = _fed(fmt, [text])
+    assert _raw(whole[2]) == _assembled(whole[1]) == offered
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, deltas, streamed = _fed(fmt, pieces)
+    assert (content, _assembled(deltas), _raw(streamed)) == (whole[0], offered, offered)
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
