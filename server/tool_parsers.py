@@ -3,9 +3,11 @@ family's own format:
 
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the text
   (Hermes, Qwen 2.5/3, and surge's own description for a template without tools support);
-- llama3_json: the whole answer is `{"name": ..., "parameters": {...}}`, several joined by
+- llama3_json: the answer opens with `{"name": ..., "parameters": {...}}`, several joined by
   `;`, after an optional `<|python_tag|>` (Llama 3.1-3.3);
-- mistral: the whole answer is `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+- mistral: the answer opens with `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+
+In those two, what follows the calls (or an object that is not one) is content.
 
 The markers `<|python_tag|>` and `[TOOL_CALLS]` are special tokens the detokenizer drops, so
 the JSON alone is enough. In every format an object counts as a call only when it names an
