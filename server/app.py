@@ -192,9 +192,12 @@ class Frontend:
             text = "".join(texts[i])
             out = ({"message": {"role": "assistant", "content": text}} if chat
                    else {"text": text})
-            if parsers is not None and parsers[i].calls:
-                out["message"] = {"role": "assistant", "content": parsers[i].content or None,
-                                  "tool_calls": parsers[i].calls}
+            if parsers is not None:  # the same content as the stream gave, calls taken out
+                calls = parsers[i].calls
+                out["message"] = {"role": "assistant",
+                                  "content": parsers[i].content or (None if calls else "")}
+                if calls:
+                    out["message"]["tool_calls"] = calls
             choices.append({"index": i, **out, "logprobs": merge_logprobs(lps[i]),
                             "finish_reason": reasons[i]})
         return self._json({**head, "object": "chat.completion" if chat else "text_completion",

@@ -99,11 +99,25 @@ class CompletionRequest(_Common, kw_only=True):
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
+    # Only best_of == n: surge does not rank extra candidates (a larger one is refused).
+    best_of: Choices | None = None
 
 
-class TextPart(Struct, kw_only=True, forbid_unknown_fields=True):
-    type: Literal["text"]
+class TextPart(Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="text"):
     text: str
+
+
+class ImagePart(Struct, kw_only=True, tag_field="type", tag="image_url"):
+    """Decoded only to be refused by name (server/translate.py): the models are text only."""
+
+    image_url: Any = None
+
+
+class AudioPart(Struct, kw_only=True, tag_field="type", tag="input_audio"):
+    input_audio: Any = None
+
+
+ContentPart = TextPart | ImagePart | AudioPart
 
 
 class FunctionCall(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -119,8 +133,8 @@ class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # passed to the chat template, which may render it
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 

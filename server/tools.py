@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from server.errors import ApiError
-from server.openai_types import ChatCompletionRequest, ToolChoiceNamed
+from server.openai_types import ChatCompletionRequest, TextPart, ToolChoiceNamed
 from server.tool_parsers import CLOSE, OPEN, ToolFormat, ToolParser, parser_for
 
 _SYSTEM = (
@@ -72,9 +72,11 @@ def chat_messages(body: ChatCompletionRequest, template_takes_tools: bool
     messages: list[dict[str, Any]] = []
     for m in body.messages:
         content = m.content if isinstance(m.content, str) or m.content is None \
-            else "".join(p.text for p in m.content)
+            else "".join(p.text for p in m.content if isinstance(p, TextPart))
         role = "system" if m.role == "developer" else m.role
         entry: dict[str, Any] = {"role": role, "content": content}
+        if m.name is not None:  # a template may render it (who spoke, which tool answered)
+            entry["name"] = m.name
         calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
                  for c in m.tool_calls or []]
         if template_takes_tools:
@@ -134,8 +136,10 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
 
 
 def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:
-    """One parser per choice when the model is offered tools (None: it is not)."""
+    """One parser per choice when the model is offered tools (None: it is not); without
+    parallel_tool_calls each keeps only the answer's first call."""
     if not tools_on(body):
         return None
     names = [t.function.name for t in body.tools or []]
-    return [parser_for(fmt, names) for _ in range(n)]
+    limit = None if body.parallel_tool_calls else 1
+    return [parser_for(fmt, names, limit) for _ in range(n)]

@@ -19,6 +19,8 @@ from server.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ImagePart,
+    TextPart,
     TokenizeRequest,
 )
 from server.structured import Grammars, constraint_of
@@ -70,6 +72,10 @@ class RequestTranslator:
         self._check_model(body.model)  # before any tokenizing is spent on it
         self._check_choices(body)
         if isinstance(body, CompletionRequest):
+            if body.best_of is not None and body.best_of != body.n:
+                raise ApiError(400, f"best_of ({body.best_of}) other than n ({body.n}) is not "
+                                    f"supported: surge does not rank candidates",
+                               param="best_of")
             if body.echo and body.logprobs is not None:
                 raise ApiError(400, "echo together with logprobs is not supported (prompt "
                                     "logprobs are not computed)", param="echo")
@@ -156,6 +162,11 @@ class RequestTranslator:
             if m.content is None and m.role != "assistant":
                 raise ApiError(400, f"messages[{i}] ({m.role}) needs a content",
                                param="messages")
+            for j, part in enumerate([] if isinstance(m.content, str) else m.content or []):
+                if not isinstance(part, TextPart):
+                    kind = "image_url" if isinstance(part, ImagePart) else "input_audio"
+                    raise ApiError(400, f"messages[{i}].content[{j}] is an {kind} part; this "
+                                        f"model reads text only", param="messages")
         tools.check(body)
         messages, tool_defs = tools.chat_messages(body, self.tokenizer.template_takes_tools)
         size = sum(len(m["content"]) for m in messages) + len(str(tool_defs or ""))

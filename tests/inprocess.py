@@ -11,6 +11,7 @@ from gpu_workers.draft import shares_layers
 from gpu_workers.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
 from surge.config import SchedulerConfig, SpeculativeConfig
+from surge.grammar import Matchers
 from surge.protocol import EngineRequest, SamplingParams, StepPlan, StepResult
 
 
@@ -20,23 +21,26 @@ class InProcessEngine:
 
     def __init__(self, model, num_blocks: int = 512, depth: int = 1, graphs_max_batch: int = 0,
                  speculative: SpeculativeConfig | None = None, draft=None,
-                 fixed_order: bool = False, **scheduler_options) -> None:
+                 fixed_order: bool = False, matchers: Matchers | None = None,
+                 **scheduler_options) -> None:
         cfg = SchedulerConfig(**scheduler_options)
         own_cache = draft is not None and not shares_layers(draft, model)
         self.scheduler = Scheduler(cfg, num_blocks, speculative=speculative,
                                    window=0 if own_cache else model.cfg.reach)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, torch.device("cpu"),
                                   model.embed.weight.dtype, graphs_max_batch=graphs_max_batch,
-                                  draft=draft, fixed_order=fixed_order)
+                                  draft=draft, fixed_order=fixed_order, matchers=matchers)
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
         self.peak_blocks = 0  # the most KV blocks held at once
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *,
             temperature: float = 0.0, seed: int | None = None,
-            stop_token_ids: list[int] | None = None, **sampling) -> None:
+            stop_token_ids: list[int] | None = None, grammar: str | None = None,
+            **sampling) -> None:
         error = self.scheduler.add(EngineRequest(
             request_id=request_id, prompt_token_ids=prompt, arrival_time=time.time(),
+            grammar=grammar,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                     stop_token_ids=stop_token_ids or [], **sampling)))
         assert error is None, error

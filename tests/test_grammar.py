@@ -73,6 +73,32 @@ def test_masked_rows_follow_the_grammar_and_the_others_do_not_move(matchers, tok
     assert 10 not in matchers and 11 not in matchers
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_token_the_grammar_forbids_is_rejected(matchers, tokenizer, temperature):
+    """A proposal is checked against the grammar: the row that verifies it cannot pick it,
+    so it is rejected however much the model likes it, and the row after it allows
+    nothing; an allowed proposal the model likes is accepted."""
+    digit, letter = tokenizer.encode("4")[0], tokenizer.encode("x")[0]
+    matchers.start(30, compile_grammar("regex", "[0-9]{2}"), [])
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=1)
+    seqs = [ScheduledSeq(0, [5], 0, [0], True, params, 0)] * 2
+    for draft, accepted in ((letter, False), (digit, True)):
+        rows, mask = matchers.bitmask([(30, 0, [draft])])
+        assert rows == [0, 1]
+        allowed = [t for t in range(VOCAB) if mask[1, t // 32] >> (t % 32) & 1]
+        assert (allowed == []) != accepted  # past a forbidden proposal: nothing
+        logits = torch.zeros(2, VOCAB)
+        logits[0, draft] = 100.0  # the model is sure of its proposal
+        batch = SamplingBatch.build(seqs, [9, 10], VOCAB, torch.device("cpu"),
+                                    drafts=[draft, -1])
+        batch.grammar_rows, batch.grammar_mask = torch.tensor(rows), mask
+        tokens, took, _ = sample(logits, batch)
+        assert bool(took[0]) == accepted
+        assert tokenizer.hf.decode([int(tokens[0])]).isdigit()
+    matchers.release([30])
+
+
 def test_the_scheduler_sends_a_grammar_once_per_computation_and_releases_it():
     sched = Scheduler(SchedulerConfig(block_size=4, max_num_batched_tokens=64), 64)
     params = SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[2])

@@ -305,6 +305,41 @@ def test_ngram_greedy_is_identical_with_prefix_hits_and_preemption(engine_model,
 
 
 @pytest.mark.slow
+def test_ngram_under_a_json_schema_keeps_the_constrained_answer(engine_model, tokenizer,
+                                                                tmp_path):
+    """A constrained sequence's proposals are checked against its grammar: with n-gram
+    speculation the greedy answer is the one without, valid for the schema, and proposals
+    were both taken and turned down."""
+    import json
+
+    import jsonschema
+
+    from surge.grammar import Matchers, compile_grammar, write_tokenizer
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "maxItems": 4, "items": {
+            "enum": ["red", "blue", "green"]}}},
+        "required": ["name", "tags"], "additionalProperties": False}
+    doc = '{"name": "Ada", "tags": ["red", "blue", "green", "red"]}'
+    prompt = tokenizer.encode(f"Copy this JSON exactly.\n{doc}\n{doc}\n{doc}\n")
+    grammar = compile_grammar("json_schema", schema)
+    write_tokenizer(tokenizer.hf, tokenizer.eos_token_ids, str(tmp_path))
+
+    def run(spec: SpeculativeConfig | None) -> tuple[list[int], InProcessEngine]:
+        engine = InProcessEngine(engine_model, speculative=spec, matchers=Matchers(
+            str(tmp_path), engine_model.cfg.vocab_size))
+        engine.add("json", prompt, 48, grammar=grammar, stop_token_ids=tokenizer.eos_token_ids)
+        return engine.run()["json"], engine
+
+    plain, _ = run(None)
+    got, engine = run(NGRAM)
+    assert got == plain
+    jsonschema.validate(json.loads(tokenizer.hf.decode(got, skip_special_tokens=True)), schema)
+    spec = engine.scheduler.spec
+    assert 0 < spec.accepted_tokens < spec.proposed_tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("layers", "separate"), [(30, False), (6, False), (6, True)])
 def test_draft_model_greedy_is_identical(engine_model, model_files, prompts, plain, layers,
                                          separate):

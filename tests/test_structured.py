@@ -118,6 +118,44 @@ def test_json_object_on_completions(client):
     assert text.choices[0].text
 
 
+def test_chat_json_object_and_text(client):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+                max_tokens=60, temperature=0)
+    r = client.chat.completions.create(**args, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # the budget ran out inside a string: still a JSON object's beginning
+        assert r.choices[0].message.content.startswith("{")
+    # "text" is no constraint: the answer is the unconstrained one, token for token.
+    free = client.chat.completions.create(**args).choices[0].message.content
+    text = client.chat.completions.create(**args, response_format={"type": "text"})
+    assert text.choices[0].message.content == free and not free.startswith("{")
+
+
+@pytest.mark.parametrize("field", ["response_format", "guided_json"])
+def test_completions_json_schema_and_guided_json(client, field):
+    schema = SCHEMAS["enum"]
+    extra = {"guided_json": schema} if field == "guided_json" else \
+        {"response_format": _schema_format("enum")}
+    for seed in (1, 2):
+        r = client.completions.create(model=MODEL, prompt="A colour, as JSON:", max_tokens=40,
+                                      temperature=1.0, seed=seed, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+
+
+def test_guided_grammar_on_chat_and_completions(client):
+    gbnf = 'root ::= ("yes" | "no") ", " [a-z]{2,8} "!"'
+    r = client.completions.create(model=MODEL, prompt="Do cats fly?", max_tokens=20,
+                                  temperature=1.0, seed=3, extra_body={"guided_grammar": gbnf})
+    assert re.fullmatch(r"(yes|no), [a-z]{2,8}!", r.choices[0].text)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Do cats fly?"}], max_tokens=20,
+        temperature=1.0, seed=3, extra_body={"guided_grammar": gbnf})
+    assert re.fullmatch(r"(yes|no), [a-z]{2,8}!", chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_guided_regex_choice_and_grammar(client, seed):
     regex = client.completions.create(
@@ -192,6 +230,48 @@ def _checked(calls) -> list[tuple[str, dict]]:
     return out
 
 
+def well_formed(final) -> None:
+    """An answer under tool_choice auto: text, or calls of offered tools with valid
+    arguments, except a last call that max_tokens cut short (it keeps what was written)."""
+    calls = final.message.tool_calls or []
+    if final.finish_reason == "length" and calls:
+        assert calls[-1].function.name in ("get_weather", "get_time")
+        calls = calls[:-1]
+    elif calls:
+        assert final.finish_reason == "tool_calls"
+    else:
+        assert isinstance(final.message.content, str)
+        assert final.finish_reason in ("stop", "length")
+    _checked(calls)
+
+
+def streamed(client, **args) -> tuple[list[tuple[str, str]], str, str | None, int]:
+    """A streamed chat answer assembled by index as the client's users do: (calls as
+    (name, arguments text), content, finish_reason, most chunks any one call came in)."""
+    assembled: dict[int, dict] = {}
+    content, reason = [], None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for d in delta.tool_calls or []:
+            if d.index not in assembled:  # its first delta: id, type, name, arguments ""
+                assert d.id and d.type == "function" and d.function.name, d
+                assert d.function.arguments == "", d
+                assembled[d.index] = {"name": "", "arguments": "", "chunks": set()}
+            entry = assembled[d.index]
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+            entry["chunks"].add(id(chunk))
+        reason = chunk.choices[0].finish_reason or reason
+    calls = [(e["name"], e["arguments"]) for e in assembled.values()]
+    return calls, "".join(content), reason, max((len(e["chunks"]) for e in assembled.values()),
+                                                default=0)
+
+
+def _raw(calls) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in calls or []]
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_time"}}])
 def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice):
@@ -203,24 +283,52 @@ def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice)
     assert len(calls) == 1
     if isinstance(choice, dict):
         assert calls[0][0] == "get_time"
-    # Streamed: the deltas, assembled by index as the client's users do, give the same call.
-    assembled: dict[int, dict] = {}
-    reason = None
-    for chunk in client.chat.completions.create(**args, stream=True):
-        delta = chunk.choices[0].delta
-        for d in delta.tool_calls or []:
-            entry = assembled.setdefault(d.index, {"name": "", "arguments": ""})
-            entry["name"] += d.function.name or ""
-            entry["arguments"] += d.function.arguments or ""
-        reason = chunk.choices[0].finish_reason or reason
-    assert reason == "tool_calls"
-    assert [(e["name"], json.loads(e["arguments"])) for e in assembled.values()] == calls
+    # Streamed: the deltas give the same call, its arguments' text exactly, in several chunks
+    # (the name first, then the arguments as they are written).
+    assembled, content, reason, chunks = streamed(client, **args)
+    assert (assembled, content, reason) == (_raw(r.choices[0].message.tool_calls), "",
+                                            "tool_calls")
+    assert chunks > 2
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly this text (llguidance's syntax)."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\.+*?()|[]{}^$" else c
+                   for c in text)
+
+
+def _hermes(*calls: tuple[str, dict]) -> str:
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
+                     for n, a in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_calls_all_or_only_the_first_and_unoffered_names_stay_text(client, stream):
+    """The answer's text forced (guided_regex) to two calls under tool_choice auto: both come
+    back, or with parallel_tool_calls false only the first; a call of a tool not offered is
+    text."""
+    def answer(text: str, **more) -> tuple[list[tuple[str, str]], str, str | None]:
+        args = dict(model=MODEL, messages=[{"role": "user", "content": "Time in UTC and CET?"}],
+                    tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+                    extra_body={"guided_regex": _literal(text)}, **more)
+        if stream:
+            return streamed(client, **args)[:3]
+        choice = client.chat.completions.create(**args).choices[0]
+        return _raw(choice.message.tool_calls), choice.message.content or "", \
+            choice.finish_reason
+
+    utc, cet = ("get_time", {"zone": "UTC"}), ("get_time", {"zone": "CET"})
+    both = [(n, json.dumps(a)) for n, a in (utc, cet)]
+    assert answer(_hermes(utc, cet)) == (both, "", "tool_calls")
+    assert answer(_hermes(utc, cet), parallel_tool_calls=False) == (both[:1], "", "tool_calls")
+    rocket = _hermes(("launch_rocket", {}))
+    assert answer(rocket) == ([], rocket, "stop")
 
 
 def test_two_turns_call_result_answer(client):
     first = client.chat.completions.create(
         model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
-        temperature=0, max_tokens=60)
+        temperature=0, max_tokens=60, parallel_tool_calls=False)
     message = first.choices[0].message
     (name, arguments), = _checked(message.tool_calls)
     followup = [*ASK_WEATHER, message.model_dump(exclude_none=True),
@@ -229,9 +337,7 @@ def test_two_turns_call_result_answer(client):
     answer = client.chat.completions.create(model=MODEL, messages=followup, tools=[WEATHER],
                                             temperature=0, max_tokens=40)
     final = answer.choices[0]
-    # With tool_choice auto the model may answer or call again; either is well-formed.
-    assert final.message.content or _checked(final.message.tool_calls)
-    assert final.finish_reason in ("stop", "length", "tool_calls")
+    well_formed(final)  # with tool_choice auto the model may answer or call again
     print(f"\n  call {name}({arguments}) -> answer {final.message.content!r}")
 
 
@@ -244,3 +350,37 @@ def test_tool_fields_that_do_not_fit_are_400(client):
             client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5,
                                            extra_body=extra)
         assert e.value.body["param"] == param, e.value.body
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": HI, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": HI, "functions": [TIME["function"]]}, "functions"),
+    ("/v1/chat/completions", {"messages": HI, "function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+     "image_url"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+     "input_audio"),
+])
+def test_what_surge_does_not_implement_is_a_400_naming_it(server, path, body, field):
+    code, payload = server.post(path, {**body, "max_tokens": 2})
+    assert code == 400, payload
+    assert field in payload["error"]["message"], payload
+
+
+def test_best_of_equal_to_n_and_a_message_name_are_taken(server):
+    for n in (1, 2):
+        code, payload = server.post("/v1/completions", {"prompt": "hi", "n": n, "best_of": n,
+                                                        "max_tokens": 2})
+        assert code == 200 and len(payload["choices"]) == n, payload
+    code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "name": "ada", "content": [{"type": "text", "text": "hi"}]}]})
+    assert code == 200, payload

@@ -1,6 +1,7 @@
-"""Tool calling: each format's call parser on fixed strings (whole and streamed in every
-split), which format a chat template gets, the prompt for a template without tools support,
-and the tool_choice grammars (what each accepts, the same format's parser reads back)."""
+"""Tool calling: each format's call parser on fixed strings (whole, streamed in every
+two-piece split and one character at a time), which format a chat template gets, the prompt
+for a template without tools support, and the tool_choice grammars (what each accepts, the
+same format's parser reads back)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.openai_types import ChatCompletionRequest
 from server.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, format_of, parser_for
@@ -20,58 +23,163 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time"}}
 NAMES = ["get_weather", "get_time"]
 TEXTS = [
-    # (format, model output, content, [(name, arguments)])
+    # (format, model output, content, [(name, arguments text)])
     (HERMES, "Paris is sunny.", "Paris is sunny.", []),
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-     '</tool_call>', "", [("get_weather", {"city": "Paris"})]),
+     '</tool_call>', "", [("get_weather", '{"city": "Paris"}')]),
     (HERMES, 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": '
      '"Oslo"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-     "Let me check.\n", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+     "Let me check.\n", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
     (HERMES, "<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
-    (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": '
-     '"get_weather", "arguments": {"ci', []),  # cut short by max_tokens
+    # cut short by max_tokens once the name is known: the call keeps what it has
+    (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"ci', "",
+     [("get_weather", '{"ci')]),
+    (HERMES, '<tool_call>{"name": "get_wea', '<tool_call>{"name": "get_wea', []),
     (HERMES, "a < b <tool", "a < b <tool", []),
+    (HERMES, '\n <tool_call>{"name": "get_time", "arguments": {}}</tool_call> \n', "",
+     [("get_time", "{}")]),  # whitespace around calls is not content
+    (HERMES, '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call> no',
+     '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call> no', []),
+    # a brace, a quote and an escape inside a string do not end the arguments
+    (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "a}\\"b]"}}'
+     '</tool_call>', "", [("get_weather", '{"city": "a}\\"b]"}')]),
     (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
-     [("get_weather", {"city": "Paris"})]),
+     [("get_weather", '{"city": "Paris"}')]),
     (LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
      '{"name": "get_time", "parameters": {}}', "",
-     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
-    (LLAMA3_JSON, ' {"name": "get_time", "arguments": {}}', "", [("get_time", {})]),
+     [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    (LLAMA3_JSON, ' {"name": "get_time", "arguments": {}}', "", [("get_time", "{}")]),
+    (LLAMA3_JSON, '{"type": "function", "name": "get_time"}', "", [("get_time", "{}")]),
+    # arguments before the name: the call comes whole once the object is complete
+    (LLAMA3_JSON, '{"parameters": {"city": "Rome"}, "name": "get_weather"}', "",
+     [("get_weather", '{"city": "Rome"}')]),
     (LLAMA3_JSON, "It is sunny {really}.", "It is sunny {really}.", []),
     (LLAMA3_JSON, '{"name": "launch_rocket", "parameters": {}}',  # not an offered tool
      '{"name": "launch_rocket", "parameters": {}}', []),
     (LLAMA3_JSON, '{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but not a call
-    (LLAMA3_JSON, '{"name": "get_time", "parameters": {}} and more',
-     '{"name": "get_time", "parameters": {}} and more', []),
+    (LLAMA3_JSON, '{"name": "get_time", "parameters": {}} and more', "and more",
+     [("get_time", "{}")]),
     (MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": '
-     '"get_time", "arguments": {}}]', "", [("get_weather", {"city": "Paris"}),
-                                          ("get_time", {})]),
-    (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', "", [("get_time", {})]),
+     '"get_time", "arguments": {}}]', "", [("get_weather", '{"city": "Paris"}'),
+                                          ("get_time", "{}")]),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', "", [("get_time", "{}")]),
     (MISTRAL, "[1, 2, 3] are the numbers.", "[1, 2, 3] are the numbers.", []),
-    (MISTRAL, '[{"name": "get_time", "arguments": {', '[{"name": "get_time", "arguments": {',
-     []),  # cut short
+    (MISTRAL, '[{"name": "get_time", "arguments": {', "", [("get_time", "{")]),  # cut short
     (MISTRAL, "Sure.", "Sure.", []),
 ]
 
 
-def _calls(parser) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in parser.calls]
+def _raw(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def _assembled(deltas: list[dict]) -> list[tuple[str, str]]:
+    """The deltas put together as the openai client does: by index, strings appended."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in calls:  # a call's first delta: id, type, name, arguments ""
+            assert d["id"] and d["type"] == "function" and d["function"]["name"], d
+            calls[d["index"]] = {"name": "", "arguments": ""}
+        calls[d["index"]]["name"] += d["function"].get("name", "")
+        calls[d["index"]]["arguments"] += d["function"].get("arguments", "")
+    assert list(calls) == list(range(len(calls)))
+    return [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+def _fed(fmt: ToolFormat, pieces: list[str], limit: int | None = None
+         ) -> tuple[str, list[dict], list[dict]]:
+    """(content, deltas, calls) of an answer fed in these pieces."""
+    parser = parser_for(fmt, NAMES, limit)
+    shown, deltas = "", []
+    for i, piece in enumerate(pieces):
+        more, found = parser.feed(piece, final=i == len(pieces) - 1)
+        shown, deltas = shown + more, deltas + found
+    assert shown == parser.content
+    return shown, deltas, parser.calls
 
 
 @pytest.mark.parametrize(("fmt", "text", "content", "calls"), TEXTS,
                          ids=[f"{t[0].name}-{i}" for i, t in enumerate(TEXTS)])
-def test_parser_whole_and_in_every_two_piece_split(fmt, text, content, calls):
-    whole = parser_for(fmt, NAMES)
-    whole.feed(text, final=True)
-    assert (whole.content, _calls(whole)) == (content, calls)
-    for cut in range(len(text) + 1):
-        parser = parser_for(fmt, NAMES)
-        shown, deltas = parser.feed(text[:cut])
-        more, later = parser.feed(text[cut:], final=True)
-        assert shown + more == content and _calls(parser) == calls
-        assert [d["index"] for d in deltas + later] == list(range(len(calls)))
-        assert len({d["id"] for d in deltas + later}) == len(calls)
+def test_parser_whole_in_every_two_piece_split_and_one_character_at_a_time(
+        fmt, text, content, calls):
+    whole, deltas, parsed = _fed(fmt, [text])
+    assert (whole, _raw(parsed), _assembled(deltas)) == (content, calls, calls)
+    splits = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)]
+    for pieces in [*splits, [*text, ""]]:
+        shown, deltas, streamed = _fed(fmt, pieces)
+        assert (shown, _assembled(deltas), _raw(streamed)) == (content, calls, calls), pieces
+        assert len({d["id"] for d in deltas if "id" in d}) == len(calls)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text("ab{}[]\",:\\ \n<", max_size=6),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text("ab{}\":\\ ", max_size=4), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fmt=st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL]),
+       calls=st.lists(st.tuples(st.sampled_from([*NAMES, "nope"]), _JSON, st.booleans()),
+                      min_size=1, max_size=3),
+       data=st.data())
+def test_any_calls_in_any_pieces_parse_as_a_whole(fmt, calls, data):
+    """Arguments with brackets, quotes and escapes in their strings, written before or
+    after the name: fed in random pieces, the same content and calls as whole; whole, the
+    offered calls (in the JSON formats, those before the first one that is not a call)."""
+    objects = []
+    for name, arguments, name_first in calls:
+        items = [("name", name), (fmt.arguments_key, arguments)]
+        objects.append(json.dumps(dict(items if name_first else items[::-1])))
+    if fmt is HERMES:
+        text = "".join(f"<tool_call>\n{o}\n</tool_call>\n" for o in objects)
+        offered = [(n, json.dumps(a)) for n, a, _ in calls if n != "nope"]
+    else:
+        text = f"{fmt.separator} ".join(objects)
+        text = f"[{text}]" if fmt is MISTRAL else text
+        names = [n for n, _, _ in calls]
+        first = names.index("nope") if "nope" in names else len(calls)
+        offered = [(n, json.dumps(a)) for n, a, _ in calls[:first]]
+    whole = _fed(fmt, [text])
+    assert _raw(whole[2]) == _assembled(whole[1]) == offered
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, deltas, streamed = _fed(fmt, pieces)
+    assert (content, _assembled(deltas), _raw(streamed)) == (whole[0], offered, offered)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+def test_arguments_stream_as_written_and_never_past_their_end(fmt):
+    """One character at a time, a call's arguments come in many fragments, each sent as soon
+    as it is certainly part of them; written before the name, they come whole."""
+    text = {"hermes": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                      '</tool_call>',
+            "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            "mistral": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'}[fmt.name]
+    parser = parser_for(fmt, NAMES)
+    fragments = []
+    for i, c in enumerate(text):
+        _, deltas = parser.feed(c)
+        fragments += [d["function"]["arguments"] for d in deltas if "id" not in d]
+        sent = "".join(fragments)
+        # what has been sent is exactly what has been written of the arguments so far
+        written = text[:i + 1].partition('s": ')[2]
+        assert sent == written[:len('{"city": "Paris"}')], (text[:i + 1], sent)
+    assert len(fragments) == len('{"city": "Paris"}')
+    reversed_order = text.replace('"name": "get_weather", ', "").replace(
+        '{"city": "Paris"}}', '{"city": "Paris"}, "name": "get_weather"}')
+    _, deltas, _ = _fed(fmt, list(reversed_order) + [""])
+    assert [d["function"]["arguments"] for d in deltas] == ['{"city": "Paris"}']
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+def test_without_parallel_calls_only_the_first_call_is_kept(fmt):
+    one, more = SAMPLES[fmt.name]
+    text = one + more + ("]" if fmt is MISTRAL else "")
+    for pieces in ([text], [*text, ""]):
+        content, deltas, calls = _fed(fmt, pieces, limit=1)
+        assert _raw(calls) == _assembled(deltas) == [("get_weather", '{"city": "Paris"}')]
+        assert content == ""
 
 
 def test_each_template_family_gets_its_format_and_mistral_its_nine_character_ids():
@@ -110,6 +218,16 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
     assert messages[2]["tool_call_id"] == "c1"
     none = _body(tool_choice="none")
     assert chat_messages(none, template_takes_tools=False)[0][0]["role"] == "user"
+
+
+def test_a_message_name_reaches_the_chat_template(tokenizer):
+    body = _body(messages=[{"role": "user", "name": "ada", "content": "hi"},
+                           {"role": "user", "content": "and me"}], tool_choice="none")
+    messages, _ = chat_messages(body, template_takes_tools=False)
+    assert [m.get("name") for m in messages] == ["ada", None]
+    template = "{% for m in messages %}{{ m.name or '?' }}: {{ m.content }}\n{% endfor %}"
+    text = tokenizer.hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert text == "ada: hi\n?: and me\n"
 
 
 # What each format's constrained answer looks like: one call, then two.
@@ -152,6 +270,5 @@ def test_tool_choice_grammars_take_the_formats_calls_and_its_parser_reads_them(
                                             "function": {"name": "get_time"}}), fmt)
     assert "get_time" in named and "get_weather" not in named
     assert not _accepts(named, one + end, tokenizer)
-    parser = parser_for(fmt, NAMES)
-    parser.feed(one + more + end, final=True)
-    assert _calls(parser) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    _, _, calls = _fed(fmt, [one + more + end])
+    assert _raw(calls) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
