@@ -5,7 +5,9 @@ extra blocks hold other sequences' keys, float32 and bfloat16."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +20,8 @@ from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu
 from kernels import matmul as matmul_ref
 from kernels.cpu import extension
 from tests.inprocess import InProcessEngine
-from tests.prompts import reference_prompts
+from tests.prompts import CHAT, reference_prompts
+from tests.server import ServerProcess
 from tests.test_kernels import _paged
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -201,3 +204,37 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
     assert ((got.double() - exact).abs() <= bound).all()
     torch.testing.assert_close(got, matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales,
                                                             mins), rtol=2**-7, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantization", "ranks", "dtype"),
+                         [("none", 1, "bfloat16"), ("int4", 1, "bfloat16"),
+                          ("none", 3, "float32")])
+def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
+    """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 ones to the
+    C++ int4 product), and the C++ attention split over 3 gloo ranks (9 heads; in float32,
+    since in bf16 this prompt's first token is a near-tie that the split's rounding can turn);
+    one request and four at once (still the small-M path) answer alike."""
+    srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization,
+                        "--tensor-parallel-size", str(ranks), dtype=dtype).wait_ready()
+    try:
+        log = srv.output()
+        assert "cpu kernels (--kernel-backend)" in log
+        # With int4 layers, the LM head still takes the small-M product.
+        assert ("C++ products up to 4 rows" in log) == (dtype == "bfloat16")
+        assert ("int4 weights" in log) == (quantization == "int4")
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+
+        def ask(_: int = 0) -> str:
+            r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT[0],
+                                               temperature=0, max_tokens=30)
+            return r.choices[0].message.content
+
+        alone = ask()
+        assert "Paris" in alone, alone
+        if dtype == "float32":
+            assert alone == "The capital of France is Paris."  # transformers' own answer
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == [alone] * 4
+    finally:
+        assert srv.stop() == 0, srv.output()
