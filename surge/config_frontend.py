@@ -96,7 +96,10 @@ def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str
     """What makes the tenants unusable with the Batch API, if anything (checked at start and
     on set): a webhook secret that signs nothing, or a tenant whose own requests would be
     less urgent than its batch lines."""
-    for name, tenant in tenants.items():
+    from surge.config import TenantConfig  # surge.config imports this module
+
+    # Requests of no named tenant (no API keys, or a key without a table) run as the default.
+    for name, tenant in {"(default)": TenantConfig(), **tenants}.items():
         if tenant.webhook_secret:
             try:
                 webhook_key(tenant.webhook_secret)

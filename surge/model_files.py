@@ -182,6 +182,9 @@ def weight_files(folder: str) -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelError(f"{index}: not a shard index with a weight_map ({e})") from None
+    # Shards live in the folder itself: a name with a path could reach any file.
+    if strange := [n for n in names if not isinstance(n, str) or os.path.basename(n) != n]:
+        raise ModelError(f"{index} names shards outside its folder: {strange[:3]}")
     if missing := [n for n in names if not os.path.isfile(os.path.join(folder, n))]:
         raise ModelError(f"{index} names shards that are missing: {', '.join(missing)}")
     return [os.path.join(folder, n) for n in names]

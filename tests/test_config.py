@@ -52,6 +52,9 @@ def test_env_config_path_and_bool_flags(tmp_path):
      r"tenants\.bulk\.priority=100 is not below batch_priority=100"),
     (["--batch-priority", "5"], {}, "[tenants.bulk]\npriority = 10\n",
      r"tenants\.bulk\.priority=10 is not below batch_priority=5"),
+    # Requests of no named tenant run at the default tenant's priority (0).
+    (["--batch-priority", "0"], {}, None,
+     r"tenants\.\(default\)\.priority=0 is not below batch_priority=0"),
 ])
 def test_bad_values_are_refused_with_the_name(tmp_path, argv, env, text, message):
     if text is not None:

@@ -184,7 +184,8 @@ def test_q4_packing_round_trips():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 20), st.integers(1, 20), st.integers(1, 50),
-       st.sampled_from([32, 64]), st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+       st.sampled_from([32, 64]),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
 def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed):
     """Against the float32 product of the dequantized weight: the steps and minimums reach
     the sums unrounded (fp32), whatever the rows, groups of 32 or 64 columns, dtype."""
@@ -199,7 +200,7 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
     exact = x.double() @ w.T
-    rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+    rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
     torch.testing.assert_close(got, matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -81,6 +82,13 @@ def test_sharded_checkpoint_loads_the_shards_its_index_names(tmp_path):
                                         torch.float32))
     engine.add("p", prompt, 16)
     assert engine.run()["p"] == expected
+    index = json.loads((folder / SHARD_INDEX).read_text())
+    for name in ("../other/model.safetensors", "/etc/passwd"):  # a shard outside the folder
+        strange = {**index, "weight_map": {**index["weight_map"], "x.weight": name}}
+        (folder / SHARD_INDEX).write_text(json.dumps(strange))
+        with pytest.raises(ModelError, match="names shards outside its folder"):
+            weight_files(str(folder))
+    (folder / SHARD_INDEX).write_text(json.dumps(index))
     os.remove(shards[-1])
     with pytest.raises(ModelError, match=f"names shards that are missing: "
                                          f"{os.path.basename(shards[-1])}"):

@@ -108,16 +108,19 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales, const torch::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kByte,
               "int4_linear: x [M, K], q uint8 [N, K / 2]");
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.dim() == 2 &&
+                  scales.sizes() == mins.sizes() && scales.size(1) > 0,
+              "int4_linear: CPU tensors, scales and mins [N, groups]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scales.size(1);
   TORCH_CHECK(K % kBlock == 0 && q.size(1) * 2 == K, "int4_linear: K a multiple of 32, q [N, K/2]");
-  TORCH_CHECK(scales.sizes() == mins.sizes() && scales.size(0) == N && K % groups == 0 &&
-                  (K / groups) % kBlock == 0,
-              "int4_linear: scales and mins [N, groups], each group a multiple of 32 columns");
+  TORCH_CHECK(scales.size(0) == N && K % groups == 0 && (K / groups) % kBlock == 0,
+              "int4_linear: each of the groups a multiple of 32 columns");
   auto xf = x.to(at::kFloat).contiguous();  // M x K: a few rows, converted once
   auto qc = q.contiguous();
   auto sc = scales.to(at::kFloat).contiguous(), mc = mins.to(at::kFloat).contiguous();
   auto out = torch::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear",
+                                  [&] {
     int4_rows<scalar_t>(xf.data_ptr<float>(), M, K, qc.data_ptr<uint8_t>(),
                         sc.data_ptr<float>(), mc.data_ptr<float>(), N, groups,
                         out.data_ptr<scalar_t>());
