@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from gpu_workers.llama import LlamaConfig
 from kernels.rotary import SCALINGS
-from surge.model_files import ModelFiles, context_length, gguf_metadata, hf_config
+from surge.model_files import ModelFiles, context_length, gguf_metadata, gguf_rope, hf_config
 
 # Hugging Face model_type values, and GGUF general.architecture values.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
@@ -166,6 +166,7 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
     else:
         windowed = [bool(window) and arch in _GGUF_WINDOWED] * layers
     scaled_by = hidden // heads if layers == _GGUF_27B_LAYERS.get(arch) else head_dim
+    rope = _gguf_rope_scaling(arch, meta)
     return LlamaConfig(
         vocab_size=int(vocab) if vocab is not None else 0,  # filled from the embedding if absent
         hidden_size=hidden,
@@ -176,8 +177,9 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(arch, meta),
-        max_position_embeddings=int(key("context_length")),
+        rope_scaling=rope,
+        # As for a config.json: a yarn scaling stretches the length served (vLLM's count).
+        max_position_embeddings=context_length(int(key("context_length")), rope or {}),
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
         qkv_bias=False,  # set by the loader when attn_q.bias exists
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
@@ -200,16 +202,14 @@ def config_from_gguf(meta: dict) -> LlamaConfig:
 
 def _gguf_rope_scaling(arch: str, meta: dict) -> dict | None:
     """rope.scaling.* as a Hugging Face rope_parameters dict (None: no scaling)."""
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind == "none":
+    scaling = gguf_rope(meta, arch)
+    if not scaling:
         return None
+    kind = scaling["rope_type"]
     if kind not in ("linear", "yarn"):
         raise UnsupportedModel(f"GGUF {arch}: rope scaling {kind!r} is not supported "
                                f"(linear, yarn)")
-    scaling = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     if kind == "yarn":
-        scaling["original_max_position_embeddings"] = int(
-            meta[f"{arch}.rope.scaling.original_context_length"])
         for name, field in (("attn_factor", "attention_factor"),
                             ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if f"{arch}.rope.scaling.{name}" in meta:

@@ -146,10 +146,22 @@ def max_model_len(files: ModelFiles) -> int:
     if files.gguf_file:
         meta = gguf_metadata(files.path)
         arch = meta["general.architecture"]
-        return int(meta[f"{arch}.context_length"])
+        return context_length(int(meta[f"{arch}.context_length"]), gguf_rope(meta, arch))
     config = hf_config(files.folder)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     return context_length(int(config.get("max_position_embeddings", 2048)), rope)
+
+
+def gguf_rope(meta: dict, arch: str) -> dict:
+    """The rope.scaling keys that decide the served length, under Hugging Face's names."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    rope = {"rope_type": kind, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+    if f"{arch}.rope.scaling.original_context_length" in meta:
+        rope["original_max_position_embeddings"] = int(
+            meta[f"{arch}.rope.scaling.original_context_length"])
+    return rope
 
 
 def context_length(max_positions: int, rope: dict) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from surge.model_files import max_model_len, resolve_model
 from tests.gguf_files import round_trip
 from tests.tiny_families import WINDOW, save_tiny
 
@@ -45,4 +46,7 @@ def test_gguf_round_trip_gives_the_tokens_of_transformers(family, tmp_path):
     assert cfg.window_layers == windowed
     assert cfg.sliding_window == (WINDOW if windowed else 0)
     assert (cfg.rope_scaling is not None) == (family in ("llama3", "qwen2-yarn", "phi3-longrope"))
+    # The served length is the checkpoint's (a yarn scaling stretches both alike).
+    assert max_model_len(resolve_model(str(tmp_path / "model.gguf"))) == \
+        max_model_len(resolve_model(str(tmp_path))) == cfg.max_position_embeddings
     assert ours == expected
