@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from surge.model_files import max_model_len, resolve_model
+from surge.model_files import context_length, gguf_rope, max_model_len, resolve_model
 from tests.gguf_files import round_trip
 from tests.tiny_families import WINDOW, save_tiny
 
@@ -50,3 +50,12 @@ def test_gguf_round_trip_gives_the_tokens_of_transformers(family, tmp_path):
     assert max_model_len(resolve_model(str(tmp_path / "model.gguf"))) == \
         max_model_len(resolve_model(str(tmp_path))) == cfg.max_position_embeddings
     assert ours == expected
+
+
+def test_a_yarn_gguf_serves_the_stretched_length():
+    """Qwen2.5's GGUF keeps context_length 32768 beside yarn x4 over 32768: 131072 served, as
+    its config.json gives."""
+    meta = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 32768}
+    assert context_length(32768, gguf_rope(meta, "qwen2")) == 131072
+    assert context_length(32768, gguf_rope({}, "qwen2")) == 32768
