@@ -44,6 +44,10 @@ def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
     for name, ids in prompts.items():
         engine.add(name, ids, n_tokens)
     out.put((rank, engine.run()))
+    # Leaving with the group alive lets gloo's threads be torn down under it: a rank then dies
+    # of SIGABRT ("terminate called without an active exception") after its answer.
+    if torch.distributed.is_initialized():  # a group of 1 has none
+        torch.distributed.destroy_process_group()
 
 
 def _run_group(size: int, folder: str, tmp_path, quantization: str = "none",
