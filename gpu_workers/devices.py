@@ -11,8 +11,10 @@ from surge.config import ConfigError, ModelConfig
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
-    """The model config with `device`, `devices` and `tensor_parallel_size` made concrete. Run in
-    the supervisor: a worker must set CUDA_VISIBLE_DEVICES before it asks CUDA anything."""
+    """The model config with `device`, `devices` and `tensor_parallel_size` made concrete: one
+    device per worker, data_parallel_size x pipeline_parallel_size x tensor_parallel_size of
+    them, replica by replica, stage by stage. Run in the supervisor: a worker must set
+    CUDA_VISIBLE_DEVICES before it asks CUDA anything."""
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return msgspec.structs.replace(cfg, device="cpu",
                                        tensor_parallel_size=cfg.tensor_parallel_size or 1)
@@ -20,12 +22,19 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
         devices = [d.strip() for d in listed.split(",") if d.strip()]
     else:
         devices = [str(i) for i in range(torch.cuda.device_count())]
-    size = cfg.tensor_parallel_size or len(devices)
-    if size > len(devices):
-        raise ConfigError(f"--tensor-parallel-size {size} needs {size} GPUs but "
+    others = cfg.data_parallel_size * cfg.pipeline_parallel_size
+    size = cfg.tensor_parallel_size or max(1, len(devices) // others)
+    if size * others > len(devices):
+        layout = f"--tensor-parallel-size {size}" + "".join(
+            f" x {flag} {n}" for flag, n in (("--pipeline-parallel-size",
+                                               cfg.pipeline_parallel_size),
+                                              ("--data-parallel-size", cfg.data_parallel_size))
+            if n > 1)
+        raise ConfigError(f"{layout} needs {size * others} GPUs but "
                           f"{len(devices)} are visible ({','.join(devices) or 'none'}); "
                           "lower it or list more with --devices")
-    return msgspec.structs.replace(cfg, device="cuda", devices=",".join(devices[:size]),
+    return msgspec.structs.replace(cfg, device="cuda",
+                                   devices=",".join(devices[: size * others]),
                                    tensor_parallel_size=size)
 
 
@@ -63,20 +72,21 @@ def cpu_share(cpus: list[int], rank: int, size: int) -> list[int]:
     return share or [cpus[rank % len(cpus)]]
 
 
-def place(cfg: ModelConfig, rank: int) -> torch.device:
-    """Put this worker process on its device and CPUs (cfg from resolve()); call before
-    anything touches CUDA."""
+def place(cfg: ModelConfig, rank: int, replica: int = 0) -> torch.device:
+    """Put worker `rank` of data-parallel `replica` on its device and CPUs (cfg from
+    resolve()); call before anything touches CUDA."""
     allowed = sorted(os.sched_getaffinity(0))
+    index = replica * cfg.group_size + rank  # workers are laid out replica by replica
     if cfg.device == "cuda":
         # Each worker sees its own GPU only, so it is cuda:0 and NCCL pairs ranks to GPUs.
         assert cfg.devices is not None
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.devices.split(",")[rank]
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.devices.split(",")[index]
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
         cpus = [c for c in _gpu_local_cpus(device) if c in allowed] or allowed
     else:
         device = torch.device("cpu")
-        cpus = cpu_share(allowed, rank, cfg.tensor_parallel_size)
+        cpus = cpu_share(allowed, index, cfg.data_parallel_size * cfg.group_size)
         torch.set_num_threads(len(cpus))
     os.sched_setaffinity(0, cpus)
     return device

@@ -7,49 +7,55 @@ import msgspec
 from surge.config import (
     LIVE,
     LIVE_SECTION,
+    TABLES,
     SpeculativeConfig,
     SurgeConfig,
-    TenantConfig,
     live_values,
 )
-from surge.config_frontend import tenants_problem
+from surge.config_frontend import pools_problem, tenants_problem
 from surge.protocol import AdminReply, AdminRequest, EngineStats
 
 
 def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
     """The configuration with values applied, or why not (then nothing changes)."""
     own: dict[str, dict[str, str]] = {section: {} for section in LIVE}
-    per_tenant: dict[str, dict[str, str]] = {}
+    per_entry: dict[str, dict[str, dict[str, str]]] = {table: {} for table in TABLES}
     for key, value in values.items():
         section, _, rest = key.partition(".")
         name, _, field = rest.rpartition(".")
-        if section == "tenants" and name and field:
-            if field not in TenantConfig.__struct_fields__:
-                return (f"{key}: a tenant has no {field!r}; its fields: "
-                        f"{', '.join(TenantConfig.__struct_fields__)}")
-            per_tenant.setdefault(name, {})[field] = value
+        if section in TABLES and name and field:
+            fields = TABLES[section].__struct_fields__
+            if field not in fields:
+                return f"{key}: a {section[:-1]} has no {field!r}; its fields: {', '.join(fields)}"
+            per_entry[section].setdefault(name, {})[field] = value
         elif key in LIVE_SECTION:
             own[LIVE_SECTION[key]][key] = value
         else:
             known = any(key in getattr(cfg, s).__struct_fields__ for s in ("scheduler", "model",
                                                                             "speculative"))
             return (f"{key} {'needs a restart' if known else 'is not a parameter'}; "
-                    f"live parameters: {', '.join(LIVE_SECTION)}, tenants.NAME.FIELD")
+                    f"live parameters: {', '.join(LIVE_SECTION)}, tenants.NAME.FIELD, "
+                    f"pools.NAME.FIELD")
     try:
         sections = {section: msgspec.convert({**msgspec.to_builtins(getattr(cfg, section)),
                                               **fields}, type(getattr(cfg, section)),
                                              strict=False)
                     for section, fields in own.items()}
-        new_tenants = dict(cfg.tenants)
-        for name, fields in per_tenant.items():
-            base = msgspec.to_builtins(cfg.tenants.get(name) or TenantConfig())
-            new_tenants[name] = msgspec.convert({**base, **fields}, TenantConfig, strict=False)
+        tables = {}
+        for table, entries in per_entry.items():
+            tables[table] = dict(getattr(cfg, table))
+            for name, fields in entries.items():
+                old = tables[table].get(name)
+                base = msgspec.to_builtins(old) if old is not None else {}
+                tables[table][name] = msgspec.convert({**base, **fields}, TABLES[table],
+                                                      strict=False)
     except msgspec.ValidationError as e:
         return f"invalid value: {e}"
     speculative: SpeculativeConfig = sections["speculative"]
-    if problem := speculative.problem() or tenants_problem(new_tenants, cfg.batch):
+    if problem := speculative.problem() or tenants_problem(tables["tenants"], cfg.batch) or \
+            pools_problem(tables["pools"], cfg.model.data_parallel_size):
         return problem
-    return msgspec.structs.replace(cfg, **sections, tenants=new_tenants)
+    return msgspec.structs.replace(cfg, **sections, **tables)
 
 
 def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats,

@@ -13,6 +13,7 @@ import tomllib
 import msgspec
 import zmq
 
+from surge.config import TABLES
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
@@ -57,14 +58,16 @@ def _config_path(runtime_dir: str) -> str:
 
 
 def _persist(runtime_dir: str, values: dict[str, object]) -> str:
-    """Write values into the server's config file (their own section, or [tenants.NAME])."""
+    """Write values into the server's config file (their own section, or [tenants.NAME] /
+    [pools.NAME])."""
     path = _config_path(runtime_dir)
     with open(path, "rb") as f:
         data = tomllib.load(f)
     for key, value in values.items():
-        if key.startswith("tenants."):  # tenants.NAME.FIELD -> [tenants.NAME] FIELD
-            name, _, field = key.removeprefix("tenants.").rpartition(".")
-            data.setdefault("tenants", {}).setdefault(name, {})[field] = value
+        table, _, rest = key.partition(".")
+        if table in TABLES:  # tenants.NAME.FIELD -> [tenants.NAME] FIELD
+            name, _, field = rest.rpartition(".")
+            data.setdefault(table, {}).setdefault(name, {})[field] = value
         else:
             data.setdefault(section_of(key), {})[key] = value
     with open(path, "w") as f:
@@ -74,9 +77,9 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
 
 def _toml(data: dict[str, dict[str, object]]) -> str:
     lines = []
-    tables = [(section, values) for section, values in data.items() if section != "tenants"]
-    tables += [(f"tenants.{json.dumps(name)}", values)
-               for name, values in data.get("tenants", {}).items()]
+    tables = [(section, values) for section, values in data.items() if section not in TABLES]
+    tables += [(f"{table}.{json.dumps(name)}", values)
+               for table in TABLES for name, values in data.get(table, {}).items()]
     for section, values in tables:
         lines.append(f"[{section}]")
         for key, value in values.items():

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from surge.config_frontend import BatchConfig, ResultCacheConfig
+from surge.config_frontend import BatchConfig, PoolConfig, ResultCacheConfig, RoutingConfig
 
 
 class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -36,6 +36,20 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="ranks the model is split over, one process per GPU "
                   "(0: one per visible GPU; 1 on the CPU, where gloo joins any number)")
     ] = 0
+    pipeline_parallel_size: Annotated[
+        int, Meta(ge=1, description="stages the decoder layers are split over, in order, each "
+                  "its own worker (or tensor-parallel group): P x tensor_parallel_size workers, "
+                  "each holding the KV cache of its own layers")
+    ] = 1
+    pipeline_layers: Annotated[
+        str | None, Meta(description="layers of each pipeline stage, comma-separated counts "
+                         "that sum to the model's layers (default: as even as possible)")
+    ] = None
+    data_parallel_size: Annotated[
+        int, Meta(ge=1, description="independent engine replicas (a scheduler and its workers "
+                  "each, on devices of their own; on the CPU the cores are split) behind one "
+                  "frontend, which routes each request by its prompt's prefix and the load")
+    ] = 1
     enable_expert_parallel: Annotated[
         bool, Meta(description="mixture-of-experts models over several ranks: each rank holds "
                    "whole experts (an even share of them) instead of a slice of every expert")
@@ -78,6 +92,12 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                    "not depend on what else is in its step, so recovery and batching give "
                    "the same bf16 answers as a request run alone; slower steps")
     ] = False
+
+    @property
+    def group_size(self) -> int:
+        """Workers of one replica: its pipeline stages times its tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
 
 
 class ServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -385,12 +405,17 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
-
-
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
     # Tables of named tenants; set in the TOML file or live (`surge admin set
     # tenants.NAME.FIELD=VALUE`), not by flags.
     tenants: dict[str, TenantConfig] = {}
+    # Data-parallel replica pools, likewise (`surge admin set pools.NAME.FIELD=VALUE`).
+    pools: dict[str, PoolConfig] = {}
+
+
+# The sections made of named tables, and the type of each table.
+TABLES: dict[str, type[Struct]] = {"tenants": TenantConfig, "pools": PoolConfig}
 
 
 # The sections whose options are flags and SURGE_* variables.
@@ -401,8 +426,8 @@ SECTIONS: dict[str, type[Struct]] = {
 
 
 # What can change while serving, by section; the rest (block_size, kv_cache_memory, the draft
-# model) shapes memory or what the workers load. Every field of a tenant is live too, as
-# tenants.NAME.FIELD.
+# model) shapes memory or what the workers load. Every field of a tenant or a pool is live too,
+# as tenants.NAME.FIELD and pools.NAME.FIELD.
 LIVE: dict[str, tuple[str, ...]] = {
     "scheduler": ("max_num_seqs", "max_num_batched_tokens", "batch_wait_ms", "prefix_cache",
                   "async_scheduling", "length_bucketing", "policy", "priority_preemption",
@@ -411,6 +436,7 @@ LIVE: dict[str, tuple[str, ...]] = {
     "speculative": ("speculative_method", "num_speculative_tokens", "ngram_max", "ngram_min",
                     "speculative_max_batch", "speculative_min_acceptance"),
     "overload": tuple(OverloadConfig.__struct_fields__),
+    "routing": tuple(RoutingConfig.__struct_fields__),
 }
 LIVE_SECTION = {name: section for section, names in LIVE.items() for name in names}
 
@@ -418,9 +444,10 @@ LIVE_SECTION = {name: section for section, names in LIVE.items() for name in nam
 def live_values(cfg: SurgeConfig) -> dict[str, Any]:
     values: dict[str, Any] = {name: getattr(getattr(cfg, section), name)
                               for name, section in LIVE_SECTION.items()}
-    for name, tenant in cfg.tenants.items():
-        for field, value in msgspec.to_builtins(tenant).items():
-            values[f"tenants.{name}.{field}"] = value
+    for table in TABLES:
+        for name, entry in getattr(cfg, table).items():
+            for field, value in msgspec.to_builtins(entry).items():
+                values[f"{table}.{name}.{field}"] = value
     return values
 
 

@@ -111,3 +111,66 @@ def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str
                     f"than every tenant's own requests; lower the tenant's priority or raise "
                     f"--batch-priority")
     return None
+
+
+class RoutingConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the frontend picks a data-parallel replica for each request (server/router.py);
+    all live."""
+
+    route_prefix_blocks: Annotated[
+        int, Meta(ge=0, description="the prompt's first KV blocks whose hashes send a request "
+                  "to the replica that holds them (0: no prefix affinity, least loaded only)")
+    ] = 32
+    route_balance_margin: Annotated[
+        int, Meta(ge=0, description="a replica holding the prefix is passed over when it has "
+                  "this many more requests in flight than the least loaded one")
+    ] = 4
+    route_spill_waiting: Annotated[
+        int, Meta(ge=1, description="a replica pool is saturated when each of its replicas "
+                  "has this many requests waiting to start; only then may a request spill to "
+                  "a pool that takes its pool's overflow")
+    ] = 8
+
+
+class PoolConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One [pools.NAME] table: data-parallel replicas that serve a range of priorities. A
+    replica in no pool serves every request."""
+
+    replicas: Annotated[
+        str, Meta(pattern=r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$",
+                  description="the pool's replicas: indices and ranges, e.g. '0-5' or '6,7'")
+    ]
+    min_priority: Annotated[
+        int, Meta(description="the most urgent priority value it serves (lower is more urgent)")
+    ] = -(2**31)
+    max_priority: Annotated[
+        int, Meta(description="the least urgent priority value it serves (batch lines come at "
+                  "batch_priority)")
+    ] = 2**31 - 1
+    spill_from: Annotated[
+        str, Meta(description="space-separated pools whose overflow this pool takes when all "
+                  "of their replicas are saturated ('*': any pool)")
+    ] = ""
+
+    def members(self) -> list[int]:
+        """The replica indices, in order."""
+        found: list[int] = []
+        for part in self.replicas.replace(" ", "").split(","):
+            lo, _, hi = part.partition("-")
+            found += range(int(lo), int(hi or lo) + 1)
+        return sorted(set(found))
+
+
+def pools_problem(pools: dict[str, PoolConfig], num_replicas: int) -> str | None:
+    """What makes the pools unusable (checked at start and on set), if anything."""
+    for name, pool in pools.items():
+        if outside := [r for r in pool.members() if r >= num_replicas]:
+            return (f"pools.{name}.replicas names replica {outside[0]}, but there are "
+                    f"{num_replicas} (0 to {num_replicas - 1}; --data-parallel-size)")
+        if pool.min_priority > pool.max_priority:
+            return (f"pools.{name}: min_priority {pool.min_priority} is above max_priority "
+                    f"{pool.max_priority}: it would serve nothing")
+        if unknown := [p for p in pool.spill_from.split() if p != "*" and p not in pools]:
+            return (f"pools.{name}.spill_from names no pool {unknown[0]!r}; "
+                    f"pools: {', '.join(pools)}")
+    return None

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Meta
 
-from surge.config import SECTIONS, ConfigError, SurgeConfig
-from surge.config_frontend import tenants_problem
+from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig
+from surge.config_frontend import pools_problem, tenants_problem
 
 
 def _options() -> dict[str, tuple[str, Any]]:
@@ -82,13 +82,12 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
         for section, values in data.items():
-            if section == "tenants" and isinstance(values, dict):
-                merged["tenants"] = values
+            if section in TABLES and isinstance(values, dict):
+                merged[section] = values
                 continue
             if section not in merged or not isinstance(values, dict):
-                raise ConfigError(
-                    f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}, tenants"
-                )
+                raise ConfigError(f"{path}: unknown section [{section}]; known: "
+                                  f"{', '.join([*SECTIONS, *TABLES])}")
             merged[section].update(values)
     for name, (section, _) in _options().items():
         if f"SURGE_{name.upper()}" in env:
@@ -99,7 +98,8 @@ def load_config(
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid configuration: {e}") from e
-    if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch):
+    if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch) or \
+            pools_problem(cfg.pools, cfg.model.data_parallel_size):
         raise ConfigError(problem)
     return cfg
 
