@@ -25,5 +25,5 @@ def route_linears(model: LlamaModel, ops: Kernels) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
                 setattr(module, name, KernelLinear(child.weight.detach(), ops))
-    if model.lm_head is None:
+    if model.lm_head is None and model.has_head:  # not on a pipeline stage before the last
         model.lm_head = KernelLinear(model.embed.weight.detach(), ops)

@@ -14,6 +14,7 @@ from torch import nn
 import kernels
 from gpu_workers.moe import MoE
 from gpu_workers.parallel import TensorParallel
+from gpu_workers.pipeline import PipelineStage
 from kernels import Kernels
 
 
@@ -217,16 +218,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The whole model on one rank; the embedding, norms and LM head are replicated."""
+    """The model on one rank: with pipeline stages, only this stage's layers (kept under their
+    global indices in `stage.layers`), the embedding on the first stage (and on the last as a
+    tied head), the final norm and LM head on the last; replicated over tensor-parallel ranks."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TensorParallel()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = (None if cfg.tie_word_embeddings
+        self.stage = stage or PipelineStage(layers=range(cfg.num_layers))
+        first, last = self.stage.first, self.stage.last
+        self.has_head = last
+        self.embed = (nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                      if first or (last and cfg.tie_word_embeddings) else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in self.stage.layers)
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size)) if last else None
+        self.lm_head = (None if cfg.tie_word_embeddings or not last
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.rope = torch.empty(0)  # [tables, positions, 2 * head_dim], see init_rope
         # The kernel backend every layer runs on (the worker picks it: kernels.for_device).
@@ -241,16 +249,21 @@ class LlamaModel(nn.Module):
         if cfg.local_rope_theta:
             tables.append(kernels.rotary_cache(cfg.head_dim, cfg.max_position_embeddings,
                                                cfg.local_rope_theta))
-        self.rope = torch.stack(tables).to(self.embed.weight.device)
+        self.rope = torch.stack(tables).to(next(self.parameters()).device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
-        x = self.embed(input_ids)
-        if self.cfg.embed_scale != 1.0:
-            # Rounded to the weights' dtype first, as Hugging Face's Gemma does.
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype).item()
+                kv_caches: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; on a stage before the last, the
+        [2, T, hidden] (x, residual) for the next stage, which passes them back as `states`."""
         residual = None
+        if states is not None:  # from the previous stage
+            x, residual = states[0], states[1]
+        else:
+            assert self.embed is not None
+            x = self.embed(input_ids)
+            if self.cfg.embed_scale != 1.0:
+                # Rounded to the weights' dtype first, as Hugging Face's Gemma does.
+                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype).item()
         ropes = [kernels.rotary_angles(positions, table) for table in self.rope]
         # Every layer's decode attention reads the same blocks of its own cache: planned once.
         ops = self.ops
@@ -260,11 +273,14 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, ropes[layer.rope_table], meta, decode, kv_cache,
                                 ops)
+        if not self.stage.last:
+            return torch.stack((x, residual))
         x, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding
+            assert self.embed is not None
             logits = F.linear(hidden, self.embed.weight).float()
         else:
             logits = self.lm_head(hidden).float()

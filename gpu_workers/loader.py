@@ -16,6 +16,7 @@ from gpu_workers.families import UnsupportedModel, architecture, read_family
 from gpu_workers.llama import LlamaConfig, LlamaModel
 from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
+from gpu_workers.pipeline import PipelineStage
 from surge.gguf_header import GGUFHeaderError, read_header
 from surge.log import show_progress
 from surge.model_files import ModelFiles, gguf_metadata, weight_files
@@ -110,9 +111,11 @@ def _gguf_file_tensors(path: str) -> list[Any]:
     return tensors
 
 
-def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str) -> Tensors:
-    """Each of the GGUF reader's tensors (ReaderTensor) by its Hugging Face name, dequantized
-    (Llama's Q/K rows are in llama.cpp's rotary order, as its converter writes them)."""
+def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
+                  stage: PipelineStage) -> Tensors:
+    """Each of the GGUF reader's tensors (ReaderTensor) this stage holds by its Hugging Face
+    name, dequantized (Llama's Q/K rows are in llama.cpp's rotary order, as its converter
+    writes them)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -127,6 +130,8 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str) -> Tensors:
             stacked = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type),
                                                 dtype=np.float32))
             name = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[short]}.weight"
+            if not stage.holds(name):
+                continue
             for e, w in enumerate(stacked):
                 yield name.format(e), w, None
             continue
@@ -135,6 +140,8 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str) -> Tensors:
         name = names[short]
         if m:
             name = f"model.layers.{m.group(1)}.{name}"
+        if not stage.holds(name):
+            continue  # another stage's: never dequantized here
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         blocks = (_q4_1_blocks(np.asarray(t.data), w.shape[0])
                   if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None)
@@ -170,7 +177,7 @@ def _gguf_rope_factors(tensors: dict[str, Any], cfg: LlamaConfig, meta: dict) ->
             "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))}
 
 
-def _safetensors(folder: str) -> Tensors:
+def _safetensors(folder: str, stage: PipelineStage) -> Tensors:
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -180,7 +187,8 @@ def _safetensors(folder: str) -> Tensors:
                      disable=not show_progress()):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name), None
+                if stage.holds(name):  # another stage's is never read
+                    yield name, f.get_tensor(name), None
 
 
 def _unfused(tensors: Tensors, cfg: LlamaConfig) -> Tensors:
@@ -219,15 +227,15 @@ def _destination(model: LlamaModel, name: str) -> tuple[torch.Tensor, int] | Non
     do not use."""
     cfg = model.cfg
     if name == "model.embed_tokens.weight":
-        return model.embed.weight, 0
+        return None if model.embed is None else (model.embed.weight, 0)
     if name == "model.norm.weight":
-        return model.norm, 0
+        return None if model.norm is None else (model.norm, 0)
     if name == "lm_head.weight":
         return (None if model.lm_head is None else (model.lm_head.weight, 0))
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if not m:
+    if not m or int(m.group(1)) not in model.stage.layers:
         return None
-    layer = model.layers[int(m.group(1))]
+    layer = model.layers[int(m.group(1)) - model.stage.layers.start]
     attn, mlp = layer.attn, layer.mlp
     if isinstance(mlp, MoE) and m.group(2).startswith("mlp."):
         return mlp.place(m.group(2))
@@ -289,10 +297,13 @@ def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> t
 
 
 def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None, keep_q4_1: bool = False) -> LlamaModel:
-    """Build the model (this rank's part of it) on `device` in `dtype` and fill every weight
-    from the files; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
+               tp: TensorParallel | None = None, keep_q4_1: bool = False,
+               stage: PipelineStage | None = None) -> LlamaModel:
+    """Build the model (this rank's part of it: its tensor-parallel shard of its pipeline
+    stage's layers) on `device` in `dtype` and fill every weight from the files, reading only
+    this stage's; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
     cfg, norm_offset = read_family(files)
+    stage = stage or PipelineStage(layers=range(cfg.num_layers))
     if files.gguf_file:
         found = _gguf_file_tensors(files.path)
         names = {t.name: t for t in found}
@@ -301,11 +312,14 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         if not cfg.vocab_size:
             cfg.vocab_size = int(names["token_embd.weight"].shape[-1])
         _gguf_rope_factors(names, cfg, gguf_metadata(files.path))
-        tensors = _unfused(_gguf_tensors(found, cfg, architecture(files)), cfg)
+        tensors = _unfused(_gguf_tensors(found, cfg, architecture(files), stage), cfg)
     else:
-        tensors = _mixtral_renamed(_unfused(_safetensors(files.folder), cfg))
+        tensors = _mixtral_renamed(_unfused(_safetensors(files.folder, stage), cfg))
+    if stage.layers.stop > cfg.num_layers:
+        raise ValueError(f"pipeline stage layers {stage.layers.start}-{stage.layers.stop - 1} "
+                         f"past the model's {cfg.num_layers} layers")
     with torch.device("meta"):
-        model = LlamaModel(cfg, tp)
+        model = LlamaModel(cfg, tp, stage)
     model = model.to_empty(device=device).to(dtype)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
@@ -325,7 +339,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             filled.add(name)
             if keep_q4_1 and blocks is not None and model.tp.size == 1 and id(tensor) in owners:
                 _keep_blocks(owners[id(tensor)], row, blocks)
-    if missing := _expected_names(cfg, model.tp) - filled:
+    if missing := _expected_names(model) - filled:
         raise ValueError(f"weights missing from {files.path}: {sorted(missing)[:5]}")
     model.init_rope()
     return model.eval()
@@ -342,10 +356,13 @@ def _keep_blocks(linear: torch.nn.Linear, row: int, blocks: Blocks) -> None:
     linear.q4_1[1, row : row + mins.shape[0]] = mins
 
 
-def _expected_names(cfg: LlamaConfig, tp: TensorParallel) -> set[str]:
-    """The weights this rank's model is filled from."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
+def _expected_names(model: LlamaModel) -> set[str]:
+    """The weights this rank's model (its stage's part) is filled from."""
+    cfg, tp = model.cfg, model.tp
+    names = {"model.embed_tokens.weight"} if model.embed is not None else set()
+    if model.norm is not None:
+        names.add("model.norm.weight")
+    if model.lm_head is not None:
         names.add("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
@@ -357,7 +374,7 @@ def _expected_names(cfg: LlamaConfig, tp: TensorParallel) -> set[str]:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     experts = expert_names(cfg.num_experts, tp)
-    for i in range(cfg.num_layers):
+    for i in model.stage.layers:
         mlp = experts if cfg.num_experts and i not in cfg.dense_layers else dense
         names.update(f"model.layers.{i}.{n}" for n in per_layer + mlp)
     return names

@@ -14,6 +14,7 @@ from msgspec import Struct
 from gpu_workers.draft import DraftModel, shares_layers
 from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
+from gpu_workers.pipeline import StageLink
 from gpu_workers.sampler import SamplingBatch, sample
 from shm.staging import Staging
 from surge.grammar import Matchers
@@ -30,10 +31,10 @@ from surge.step_size import step_words
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """This rank's cache: the KV heads its attention holds."""
+    """This rank's cache: its pipeline stage's layers, the KV heads its attention holds."""
     cfg = model.cfg
     kv_heads = model.layers[0].attn.num_kv_heads
-    return (cfg.num_layers, 2, kv_heads, num_blocks, block_size, cfg.head_dim)
+    return (len(model.layers), 2, kv_heads, num_blocks, block_size, cfg.head_dim)
 
 
 def kv_block_bytes(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
@@ -131,6 +132,12 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}
         self.host_tokens = torch.empty(1 << 16, dtype=torch.int64,
                                        pin_memory=device.type == "cuda")
+        # Pipeline stages: only the last stage's rank 0 samples (and reports the tokens); the
+        # others hand their hidden states on (link). local: the warm-up, run by each stage alone.
+        stage = model.stage
+        self.samples = model.tp.rank == 0 and stage.last
+        self.link = StageLink(stage) if stage.size > 1 else None
+        self.local = False
         # The last step's model forward (with the LM head), without input building and sampling;
         # on CUDA only the launches, as nothing waits for the device here.
         self.forward_s = 0.0
@@ -143,9 +150,13 @@ class ModelRunner:
         params = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9)
         tokens = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
         prefill = ScheduledSeq(0, tokens, 0, table, True, params, 0)
+        self.local = True
         self.run(StepPlan(-2, [prefill]))
-        decode = ScheduledSeq(0, [PREVIOUS_TOKEN], n, table, True, params, 0)
+        # A stage of a pipeline does not see the tokens the last one samples.
+        fed = PREVIOUS_TOKEN if self.link is None else 1
+        decode = ScheduledSeq(0, [fed], n, table, True, params, 0)
         self.run(StepPlan(-1, [decode]))
+        self.local = False
         self.sampled_rows, self.last_sampled = {}, {}
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -156,7 +167,7 @@ class ModelRunner:
         # Decode tokens (one per sequence) first, so attention can treat them as one batch.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         bs, stage = self.block_size, self.staging
-        slot = stage.begin(step_words(plan, sampling=self.model.tp.rank == 0))
+        slot = stage.begin(step_words(plan, sampling=self.samples))
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
         nd = int((lens == 1).sum())
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, len(seqs))
@@ -211,7 +222,7 @@ class ModelRunner:
         self.sampled_rows = {s.seq_id: first_row[s.seq_id] + s.num_draft
                              for s in seqs if s.sample}
         sampling = None
-        if picked and self.model.tp.rank == 0:
+        if picked and self.samples:
             sampling = SamplingBatch.build(
                 picked, sample_positions, self.model.cfg.vocab_size, self.device, stage.add,
                 drafts if any(s.num_draft for s in seqs) else None)
@@ -254,9 +265,18 @@ class ModelRunner:
             hidden = self.graphs.run(step.input_ids, step.positions, meta.slot_mapping,
                                      meta.decode_block_tables, meta.decode_context_lens)
         else:
-            hidden = self.model(step.input_ids, step.positions, meta, self.kv_cache)
+            hidden = self.model(step.input_ids, step.positions, meta, self.kv_cache,
+                                self._received(len(step.input_ids)))
         if self.draft is not None:
             self.draft.mirror(step.input_ids, step.positions, meta)
+        if not self.model.stage.last or (self.link is not None and not self.samples):
+            # A stage before the last hands its states on; the last one's other ranks are
+            # done (with stages, nobody feeds a sampled token back: plans carry real ones).
+            if self.link is not None and not self.model.stage.last and not self.local:
+                self.link.send(hidden)
+            self.staging.release(step.slot)
+            self.forward_s = time.perf_counter() - started
+            return Launched(step=step, tokens=None)
         if not step.picked:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
@@ -278,7 +298,8 @@ class ModelRunner:
             tokens, accepted, logprobs = sample(logits, step.sampling)
         else:
             tokens = torch.empty(len(step.picked), dtype=torch.int64, device=self.device)
-        self.model.tp.broadcast(tokens)
+        if self.link is None:  # the other ranks patch PREVIOUS_TOKEN from them
+            self.model.tp.broadcast(tokens)
         self.sampled = tokens
         drafts = None if step.proposers is None else self._propose(step.proposers, tokens,
                                                                     accepted)
@@ -294,6 +315,16 @@ class ModelRunner:
         ready.record()
         return Launched(step=step, tokens=tokens_host, accepted=host[0], drafts=host[1],
                         ready=ready, logprobs=logprobs)
+
+    def _received(self, num_tokens: int) -> torch.Tensor | None:
+        """The previous stage's [2, T, hidden] states for this step (None on the first)."""
+        if self.link is None or self.model.stage.first:
+            return None
+        cfg, dtype = self.model.cfg, self.kv_cache.dtype
+        if self.local:  # the warm-up: any states will do
+            return torch.zeros((2, num_tokens, cfg.hidden_size), dtype=dtype,
+                               device=self.device)
+        return self.link.recv(num_tokens, cfg.hidden_size, dtype, self.device)
 
     def _propose(self, p: Proposers, tokens: torch.Tensor, accepted: torch.Tensor | None
                  ) -> torch.Tensor:
@@ -314,6 +345,8 @@ class ModelRunner:
         if launched.ready is not None:
             launched.ready.synchronize()
         step = launched.step
+        if launched.tokens is None and self.link is not None:
+            return StepResult(step.plan.step_id, {})  # another rank reports this step
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
         accepted = None if launched.accepted is None else launched.accepted.tolist()
         logprobs = launched.logprobs

@@ -42,5 +42,5 @@ def pack_model(model: LlamaModel) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
                 setattr(module, name, PackedLinear(child.weight))
-    if model.lm_head is None:
+    if model.lm_head is None and model.has_head:  # not on a pipeline stage before the last
         model.lm_head = PackedLinear(model.embed.weight)

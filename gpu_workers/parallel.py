@@ -4,9 +4,13 @@ projection)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from msgspec import Struct
+
+from gpu_workers.pipeline import PipelineStage
 
 
 class TensorParallel(Struct, frozen=True):
@@ -16,6 +20,10 @@ class TensorParallel(Struct, frozen=True):
     size: int = 1
     # Mixture-of-experts layers: whole experts on each rank instead of a slice of every one.
     expert_parallel: bool = False
+    # With pipeline stages: this stage's subgroup and the global rank of its rank 0 (None:
+    # the whole world is the group).
+    group: Any = None
+    root: int = 0
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` heads or columns, which must divide evenly."""
@@ -43,15 +51,15 @@ class TensorParallel(Struct, frozen=True):
             # gloo sums reduced-precision tensors slowly and not on every build; fp32 also keeps
             # the sum closer to the one-rank result.
             summed = x.float()
-            dist.all_reduce(summed)
+            dist.all_reduce(summed, group=self.group)
             return summed.to(x.dtype)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> None:
         """Rank 0's tensor to every rank, in place."""
         if self.size > 1:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=self.root, group=self.group)
 
 
 def init_group(tp: TensorParallel, device: torch.device, store_path: str) -> None:
@@ -62,3 +70,32 @@ def init_group(tp: TensorParallel, device: torch.device, store_path: str) -> Non
         "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_path}",
         rank=tp.rank, world_size=tp.size, device_id=device if device.type == "cuda" else None)
 
+
+
+def init_groups(rank: int, tp_size: int, splits: list[range], device: torch.device,
+                store_path: str, expert_parallel: bool = False
+                ) -> tuple[TensorParallel, PipelineStage]:
+    """Worker `rank` of a group of len(splits) stages x tp_size ranks (stage = rank // tp_size):
+    one world over every rank (its stage's neighbours are reached point to point), and a
+    tensor-parallel subgroup per stage, created in the same order on every rank."""
+    stages = len(splits)
+    index, tp_rank = divmod(rank, tp_size)
+    stage = PipelineStage(index, stages, splits[index],
+                          prev=rank - tp_size if index > 0 else -1,
+                          next=rank + tp_size if index < stages - 1 else -1)
+    if stages == 1:
+        tp = TensorParallel(rank, tp_size, expert_parallel)
+        init_group(tp, device, store_path)
+        return tp, stage
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_path}",
+        rank=rank, world_size=stages * tp_size,
+        device_id=device if device.type == "cuda" else None)
+    group = None
+    for s in range(stages):  # every rank creates every subgroup (new_group is collective)
+        members = list(range(s * tp_size, (s + 1) * tp_size))
+        made = dist.new_group(members) if tp_size > 1 else None
+        if s == index:
+            group = made
+    return TensorParallel(tp_rank, tp_size, expert_parallel, group=group,
+                          root=index * tp_size), stage

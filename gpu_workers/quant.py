@@ -160,6 +160,6 @@ def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, quantized(child, child.weight, mode, group, ops))
-    if head:
+    if head and model.has_head:
         source = model.embed if model.lm_head is None else model.lm_head
         model.lm_head = quantized(source, source.weight, mode, group, ops)

@@ -17,13 +17,15 @@ import zmq
 import kernels
 from gpu_workers.devices import place
 from gpu_workers.draft import shares_layers, truncated
+from gpu_workers.families import read_family
 from gpu_workers.kernel_linear import route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
 from gpu_workers.moe import take_expert_load
 from gpu_workers.packed import can_pack, pack_model
-from gpu_workers.parallel import TensorParallel, init_group
+from gpu_workers.parallel import init_groups
+from gpu_workers.pipeline import describe_split, stage_layers
 from gpu_workers.quant import quantize_model
 from kernels.matmul_cpu import SMALL_M_ROWS
 from shm.ring import RingBuffer, RingClosed
@@ -72,8 +74,9 @@ def free_memory(device: torch.device) -> int:
 
 def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
                generation: int = 0) -> None:
-    """Rank `rank` of the tensor-parallel group (cfg.model resolved by devices.resolve); the
-    group's rendezvous file is new for each `generation` of workers."""
+    """Rank `rank` of the group (pipeline stage rank // T, tensor-parallel rank rank % T;
+    cfg.model resolved by devices.resolve); the group's rendezvous file is new for each
+    `generation` of workers."""
     child_setup(f"worker {rank}", cfg)
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
@@ -90,20 +93,28 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         decoder = msgspec.msgpack.Decoder(PlanMessage)
         idle_since = time.perf_counter()
         pending: tuple[Launched, float, float] | None = None  # launched, started, idle before
+        busy = metrics.worker_busy.labels(str(rank))
+        idle = metrics.worker_idle.labels(str(rank))
 
         def finish() -> None:
             nonlocal pending, idle_since
             assert pending is not None
             launched, started, wait_s = pending
             result = runner.finish(launched)
-            metrics.step_time.labels(str(rank)).observe(time.perf_counter() - started)
+            now = time.perf_counter()
+            metrics.step_time.labels(str(rank)).observe(now - started)
+            # Time blocked on a neighbouring stage is idle time too (the pipeline's bubble).
+            blocked = runner.link.take_wait() if runner.link is not None else 0.0
+            busy.inc(max(0.0, now - started - blocked))
+            idle.inc(wait_s + blocked)
             if device.type == "cuda":
                 metrics.device_memory.labels(str(rank)).set(torch.cuda.memory_allocated(device))
-            if rank == 0:
-                result.compute_s = time.perf_counter() - started
+            if runner.model.tp.rank == 0:
+                _count_expert_load(runner.model)  # each stage's rank 0 counts its own layers
+            if runner.samples:
+                result.compute_s = now - started
                 result.forward_s, result.wait_s = runner.forward_s, wait_s
                 results.send(encode(result))
-                _count_expert_load(runner.model)
             pending = None
             idle_since = time.perf_counter()
 
@@ -138,13 +149,15 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
 def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
           ) -> tuple[ModelRunner, WorkerReady]:
     device = place(cfg.model, rank)
-    tp = TensorParallel(rank, cfg.model.tensor_parallel_size, cfg.model.enable_expert_parallel)
-    init_group(tp, device, f"{runtime_dir}/tp-{generation}")
-    dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
+    splits = stage_layers(read_family(files)[0].num_layers, cfg.model.pipeline_parallel_size,
+                          cfg.model.pipeline_layers)
+    tp, stage = init_groups(rank, cfg.model.tensor_parallel_size, splits, device,
+                            f"{runtime_dir}/tp-{generation}", cfg.model.enable_expert_parallel)
+    dtype = pick_dtype(cfg.model, device)
     started = time.monotonic()
     quant = cfg.model.quantization
-    model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4")
+    model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4", stage=stage)
     ops = kernels.for_device(device, cfg.model.kernel_backend)
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
@@ -159,7 +172,8 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     if device.type == "cpu":
-        budget //= tp.size  # the ranks share one memory; on GPUs the budget is per device
+        # The ranks share one memory; on GPUs the budget is per device.
+        budget //= tp.size * stage.size
     own_cache = draft is not None and not shares_layers(draft, model)
     num_blocks = budget // (kv_block_bytes(model, block_size, dtype)
                             + (kv_block_bytes(draft, block_size, dtype) if own_cache else 0))
@@ -173,21 +187,26 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     model.ops = ops
     if draft is not None:
         draft.ops = ops
-    graphs = min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs) if cuda else 0
+    # Not with pipeline stages: a step's forward there waits on its neighbours (not captured).
+    graphs = (min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)
+              if cuda and stage.size == 1 else 0)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype,
                          graphs_max_batch=graphs, capture_graphs=cuda, draft=draft,
                          fixed_order=cfg.model.deterministic,
-                         matchers=Matchers(runtime_dir, model.cfg.vocab_size) if rank == 0
-                         else None)
+                         matchers=Matchers(runtime_dir, model.cfg.vocab_size)
+                         if tp.rank == 0 and stage.last else None)
     runner.warm_up()
     take_expert_load(model)  # the warm-up's routing is nobody's load
-    for expert in range(model.cfg.num_experts if rank == 0 else 0):
+    for expert in range(model.cfg.num_experts if tp.rank == 0 else 0):
         metrics.moe_expert_tokens.labels(str(expert))  # every expert's series from the start
-    split = f" (rank {rank} of {tp.size})" if tp.size > 1 else ""
+    split = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
+    if stage.size > 1:
+        split += f", pipeline {stage.describe()} ({describe_split(splits)})"
     if tp.size > 1 and model.cfg.num_experts:
         split += ", expert parallel" if tp.expert_parallel else ", experts sliced over ranks"
     if cuda:
         split += (f", CUDA graphs for decode batches up to {graphs}" if graphs
+                  else ", no CUDA graphs (pipeline stages)" if stage.size > 1
                   else ", no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"

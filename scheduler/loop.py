@@ -175,7 +175,8 @@ class SchedulerLoop:
         self.kernels = readies[0].kernels
         self.scheduler = Scheduler(self.cfg.scheduler, num_blocks, self.cfg.tenants,
                                    speculative=self.cfg.speculative,
-                                   overload=self.cfg.overload, window=readies[0].window)
+                                   overload=self.cfg.overload, window=readies[0].window,
+                                   stages=self.cfg.model.pipeline_parallel_size)
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
                             description=readies[0].description)
         self.outputs.send(encode(ready))
@@ -212,14 +213,16 @@ class SchedulerLoop:
 
     def run(self) -> None:
         """Keep up to two steps in flight (one computing, the next queued behind it), so the
-        worker never waits for this loop; one at a time without async_scheduling."""
+        worker never waits for this loop; with P pipeline stages up to P (one micro-batch per
+        stage); one at a time without async_scheduling."""
         inflight: deque[StepPlan] = deque()
+        ahead = max(2, self.cfg.model.pipeline_parallel_size)
         while True:
             # Live (admin set); one step at a time while urgent arrivals must not wait for
             # a step planned ahead of them, and while proposals need the last tokens.
             # Suspects of a crash run one step at a time, so a crash names its step.
             sched = self.scheduler
-            depth = 2 if self.cfg.scheduler.async_scheduling and not (sched and (
+            depth = ahead if self.cfg.scheduler.async_scheduling and not (sched and (
                 sched.interactive() or sched.speculating() or sched.quarantine)) else 1
             try:
                 self._step(inflight, depth)

@@ -17,6 +17,7 @@ from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
 from scheduler.cost import StepCost
 from scheduler.intake import MIXED_WINDOW_S, Intake
+from scheduler.pipeline import micro_batch_seats
 from scheduler.quarantine import POISON_ERROR, Quarantine
 from scheduler.queue import WaitingQueue, urgency
 from scheduler.sequence import Sequence, Status
@@ -46,9 +47,12 @@ class Scheduler(Intake):
                  clock: Callable[[], float] = time.time,
                  speculative: SpeculativeConfig | None = None,
                  staging_words: int = STAGING_WORDS,
-                 overload: OverloadConfig | None = None, window: int = 0) -> None:
-        """window: how far back every layer of the model attends (0: some layer sees all)."""
+                 overload: OverloadConfig | None = None, window: int = 0,
+                 stages: int = 1) -> None:
+        """window: how far back every layer of the model attends (0: some layer sees all);
+        stages: pipeline stages (see scheduler/pipeline.py)."""
         self.cfg = cfg
+        self.stages = stages
         self.staging_words = staging_words  # the most a step's inputs may take on the worker
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache,
@@ -223,12 +227,13 @@ class Scheduler(Intake):
             self._preempt_for_urgent(seats)
         speculate = self.speculating()
         full = False  # the staging buffer has no room for the next sequence
+        step_seats = micro_batch_seats(self.stages, len(self.running), len(self.waiting), seats)
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
-            if budget == 0:
+            if budget == 0 or len(chosen) >= step_seats:
                 break
             if seq.status is not Status.RUNNING or not seq.wants_more or seq.spec_inflight \
-                    or solo not in (None, seq):
+                    or solo not in (None, seq) or (self.stages > 1 and seq.num_pending):
                 continue
             n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if n == 0:
@@ -259,7 +264,7 @@ class Scheduler(Intake):
             budget -= len(item.token_ids)
         order = self._admission_order(seats) if solo is None else self._make_room(solo, seats)
         for seq in order:
-            if full or budget == 0 or len(self.running) >= seats:
+            if full or budget == 0 or len(self.running) >= seats or len(chosen) >= step_seats:
                 break
             if seq.num_pending:
                 continue  # preempted with a token still in flight: resume once it is known

@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             _check_model(cfg.model.model)
             # Devices and the number of ranks are settled before any worker touches CUDA.
             cfg = msgspec.structs.replace(cfg, model=resolve(cfg.model))
-            if cfg.speculative.has_draft and cfg.model.tensor_parallel_size > 1:
+            if cfg.speculative.has_draft and cfg.model.group_size > 1:
                 raise ConfigError("a draft model runs with one rank only: drop --draft-model "
                                   "and --draft-layers (n-gram speculation works with any "
-                                  "--tensor-parallel-size)")
+                                  "--tensor-parallel-size and --pipeline-parallel-size)")
             from surge.preflight import preflight
 
             preflight(cfg)

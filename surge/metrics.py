@@ -142,6 +142,11 @@ policy = Gauge("surge_scheduling_policy", "1 for the policy in force", ["policy"
 # workers
 step_time = Histogram("surge_worker_step_seconds", "a worker's time per step",
                       ["rank"], buckets=STEP_BUCKETS)
+# Busy: preparing, computing and finishing steps; idle: waiting for a plan or, with pipeline
+# stages, for a neighbouring stage's hidden states (idle share = idle / (busy + idle)).
+worker_busy = Counter("surge_worker_busy_seconds", "a worker's time computing steps", ["rank"])
+worker_idle = Counter("surge_worker_idle_seconds", "a worker's time waiting for a plan or a "
+                      "neighbouring pipeline stage, counted at each step's end", ["rank"])
 device_memory = Gauge("surge_device_memory_bytes", "device memory allocated by torch",
                       ["rank"], multiprocess_mode="livemax")
 moe_expert_tokens = Counter("surge_moe_expert_tokens", "tokens routed to each expert of a "

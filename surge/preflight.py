@@ -29,6 +29,7 @@ def preflight(cfg: SurgeConfig) -> None:
             resolve_model(cfg.speculative.draft_model)
     except ModelError as e:
         raise ConfigError(str(e)) from None
+    _check_pipeline(cfg, files)
     _check_kv_cache(cfg, files)
     _check_port(cfg.server.host, cfg.server.port)
 
@@ -69,8 +70,25 @@ def _block_bytes(files: ModelFiles, cfg: SurgeConfig) -> int:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     ranks = max(cfg.model.tensor_parallel_size, 1)
     element = 4 if cfg.model.dtype == "float32" else 2
+    # A pipeline stage holds its own layers' cache: the largest stage's share counts.
+    layers = -(-layers // cfg.model.pipeline_parallel_size)
     return (layers * 2 * math.ceil(kv_heads / ranks) * cfg.scheduler.block_size * head_dim
             * element)
+
+
+def _check_pipeline(cfg: SurgeConfig, files: ModelFiles) -> None:
+    """The layer split over --pipeline-parallel-size, and what does not go with stages."""
+    model = cfg.model
+    if model.pipeline_parallel_size == 1 and not model.pipeline_layers:
+        return
+    from gpu_workers.families import read_family
+    from gpu_workers.pipeline import stage_layers
+
+    try:
+        stage_layers(read_family(files)[0].num_layers, model.pipeline_parallel_size,
+                     model.pipeline_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_kv_cache(cfg: SurgeConfig, files: ModelFiles) -> None:
@@ -81,7 +99,7 @@ def _check_kv_cache(cfg: SurgeConfig, files: ModelFiles) -> None:
         return  # free GPU memory is known only to the workers
     budget = parse_memory(value, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     if cfg.model.device == "cpu":
-        budget //= max(cfg.model.tensor_parallel_size, 1)  # the CPU ranks share it
+        budget //= max(cfg.model.group_size, 1)  # the CPU ranks share it
     need = _block_bytes(files, cfg)
     if budget < need:
         raise ConfigError(

@@ -34,7 +34,7 @@ class Supervisor:
     def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
         """cfg.model has its devices resolved (gpu_workers.devices.resolve)."""
         self.cfg = cfg
-        self.num_workers = cfg.model.tensor_parallel_size
+        self.num_workers = cfg.model.group_size
         self.generation = 0  # of workers: a tensor-parallel group is replaced as a whole
         self.flags = flags or {}  # to rebuild the config on reload
         self.reload_requested = False
