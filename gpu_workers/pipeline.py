@@ -41,8 +41,8 @@ def stage_layers(num_layers: int, stages: int, spec: str | None = None) -> list[
 
 
 def describe_split(splits: list[range]) -> str:
-    """'layers 0-14 | 15-29', the split as printed at start."""
-    return "layers " + " | ".join(f"{r.start}-{r.stop - 1}" for r in splits)
+    """'0-14 | 15-29', the split as printed at start."""
+    return " | ".join(f"{r.start}-{r.stop - 1}" for r in splits)
 
 
 class PipelineStage(Struct, frozen=True):
@@ -77,7 +77,7 @@ class PipelineStage(Struct, frozen=True):
         return True
 
     def describe(self) -> str:
-        return (f"stage {self.index + 1} of {self.size}: layers {self.layers.start}-"
+        return (f"stage {self.index + 1} of {self.size}, layers {self.layers.start}-"
                 f"{self.layers.stop - 1}")
 
 

@@ -201,7 +201,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
         metrics.moe_expert_tokens.labels(str(expert))  # every expert's series from the start
     split = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
     if stage.size > 1:
-        split += f", pipeline {stage.describe()} ({describe_split(splits)})"
+        split += f", pipeline {stage.describe()} (split {describe_split(splits)})"
     if tp.size > 1 and model.cfg.num_experts:
         split += ", expert parallel" if tp.expert_parallel else ", experts sliced over ranks"
     if cuda:

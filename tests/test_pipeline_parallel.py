@@ -7,6 +7,7 @@ import multiprocessing as mp
 import random
 import subprocess
 import sys
+import time
 from collections import deque
 from typing import Any
 
@@ -248,3 +249,75 @@ def test_bad_splits_and_a_draft_are_refused_at_start():
     assert out.returncode == 2 and "sum to the model's 30 layers" in out.stderr
     out = _refused("--pipeline-parallel-size", "2", "--draft-layers", "4")
     assert out.returncode == 2 and "one rank" in out.stderr
+
+
+def _total(url: str, name: str) -> float:
+    """A metric summed over its labels (the scheduler exports about once a second)."""
+    from tests.test_metrics import _samples
+
+    return sum(v for (n, _), v in _samples(url).items() if n == name)
+
+
+@pytest.fixture(scope="module")
+def one_rank_answers() -> tuple[list[str], list[str]]:
+    """The default model on one rank: greedy chat answers, and 16 greedy streams at once."""
+    from tests.server import ServerProcess
+    from tests.test_shutdown import _streams
+    from tests.test_tensor_parallel import _PROMPTS, _greedy_over_http
+
+    one = ServerProcess("--device", "cpu")
+    try:
+        one.wait_ready(300)
+        return _greedy_over_http(one.url, _PROMPTS), [t for t, _ in _streams(one, 16, 24)]
+    finally:
+        assert one.stop() == 0, one.output()
+
+
+@pytest.fixture(scope="module")
+def three_stages(tmp_path_factory):
+    """SmolLM2's 30 layers over 3 CPU stages, in float32, with prompts prefilled in chunks of
+    16 tokens and a KV cache small enough for 16 streams to preempt each other."""
+    from tests.server import ServerProcess
+
+    server = ServerProcess("--device", "cpu", "--pipeline-parallel-size", "3",
+                           "--max-num-batched-tokens", "16", kv_cache_memory="12MiB",
+                           env={"XDG_RUNTIME_DIR": str(tmp_path_factory.mktemp("runtime"))})
+    try:
+        yield server.wait_ready(300)
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+@pytest.mark.slow
+def test_three_served_stages_give_the_one_rank_answers(three_stages, one_rank_answers):
+    from tests.test_shutdown import _streams
+    from tests.test_tensor_parallel import _PROMPTS, _greedy_over_http
+
+    chat, streams = one_rank_answers
+    assert "stage 3 of 3, layers 20-29" in three_stages.output()
+    assert _greedy_over_http(three_stages.url, _PROMPTS) == chat
+    assert _total(three_stages.url, "surge_prefix_cache_hit_tokens_total") > 0  # system prompt
+    assert [t for t, _ in _streams(three_stages, 16, 24)] == streams
+    time.sleep(1.5)  # the scheduler's next export
+    assert _total(three_stages.url, "surge_preemptions_total") > 0
+    assert _total(three_stages.url, "surge_worker_busy_seconds_total") > 0
+
+
+@pytest.mark.slow
+def test_killed_stage_replaces_the_group_and_streams_finish_identically(three_stages):
+    """kill -9 the middle stage mid-stream: a new group of three starts and every stream ends
+    with the text of an undisturbed run."""
+    from tests.server import descendants
+    from tests.test_shutdown import _streams, _title
+
+    def workers() -> dict[str, int]:
+        return {_title(p): p for p in descendants(three_stages.proc.pid)
+                if _title(p).startswith("surge: worker")}
+
+    undisturbed = _streams(three_stages, 8, 24)
+    before = workers()
+    assert len(before) == 3
+    disturbed = _streams(three_stages, 8, 24, kill=before["surge: worker 1"])
+    assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
+    after = workers()
+    assert len(after) == 3 and not set(after.values()) & set(before.values())
