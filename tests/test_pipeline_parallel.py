@@ -30,24 +30,35 @@ def _prompts(n: int, seed: int = 5, shared: int = 0) -> dict[str, list[int]]:
             for i in range(n)}
 
 
-# name -> (prompts, scheduler options, KV blocks).
+def _long(n: int) -> dict[str, list[int]]:
+    """Prompts holding much of the vocabulary: the n-gram proposer (from one token on) finds
+    each new token in them."""
+    rng = random.Random(13)
+    return {f"r{i}": [rng.randrange(1, 250) for _ in range(100)] for i in range(n)}
+
+
+# name -> (prompts, scheduler options, KV blocks); "ngram" speculates.
 SCENARIOS: dict[str, tuple[dict[str, list[int]], dict[str, Any], int]] = {
     "concurrent": (_prompts(16), {}, 512),
     "chunked": (_prompts(6, seed=7), {"max_num_batched_tokens": 8}, 512),
     "preempted": (_prompts(12, seed=9), {}, 40),
     "prefix": (_prompts(6, seed=11, shared=24), {}, 512),
+    "ngram": (_long(4), {}, 512),
 }
 
 
 def _serve(runner: Any, prompts: dict[str, list[int]], options: dict[str, Any], stages: int,
-           num_blocks: int, share: Any) -> tuple[dict[str, list[int]], dict[str, int]]:
+           num_blocks: int, share: Any, ngram: bool = False
+           ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """The scheduler driven as the scheduler loop drives it, `stages` steps in flight; the
     sampling rank's results reach every rank's (identical) scheduler through `share`."""
     from scheduler.scheduler import Scheduler
-    from surge.config import SchedulerConfig
+    from surge.config import SchedulerConfig, SpeculativeConfig
     from surge.protocol import EngineRequest, SamplingParams
 
-    sched = Scheduler(SchedulerConfig(block_size=4, **options), num_blocks, stages=stages)
+    spec = SpeculativeConfig(speculative_method="ngram", ngram_min=1) if ngram else None
+    sched = Scheduler(SchedulerConfig(block_size=4, **options), num_blocks, stages=stages,
+                      speculative=spec)
     for name, ids in prompts.items():
         assert sched.add(EngineRequest(request_id=name, prompt_token_ids=ids, arrival_time=0.0,
                                        sampling=SamplingParams(max_tokens=N_TOKENS,
@@ -56,17 +67,18 @@ def _serve(runner: Any, prompts: dict[str, list[int]], options: dict[str, Any], 
     inflight: deque = deque()
     most = 0
     while sched.has_work() or inflight:
-        plan = sched.schedule() if len(inflight) < max(stages, 1) else None
+        depth = 1 if sched.speculating() else stages  # as the scheduler loop does
+        plan = sched.schedule() if len(inflight) < depth else None
         if plan is not None:
             inflight.append((plan, runner.launch(runner.prepare(plan))))
             most = max(most, len(inflight))
         assert plan is not None or inflight, "work is queued but nothing could be scheduled"
-        if plan is None or len(inflight) >= stages:
+        if plan is None or len(inflight) >= depth:
             done, launched = inflight.popleft()
             for out in sched.update(done, share(runner.finish(launched))):
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens, {"preemptions": sched.num_preemptions, "in_flight": most,
-                    "hits": sched.blocks.hit_tokens}
+                    "hits": sched.blocks.hit_tokens, "proposed": sched.spec.proposed_tokens}
 
 
 def _rank_main(rank: int, tp_size: int, split: str | None, stages: int, folder: str,
@@ -99,7 +111,8 @@ def _rank_main(rank: int, tp_size: int, split: str | None, stages: int, folder: 
     for name, (prompts, options, num_blocks) in SCENARIOS.items():
         runner = ModelRunner(model, num_blocks, 4, torch.device("cpu"), torch.float32)
         runner.warm_up()
-        answers[name] = _serve(runner, prompts, options, stages, num_blocks, share)
+        answers[name] = _serve(runner, prompts, options, stages, num_blocks, share,
+                               ngram=name == "ngram")
     info = {"layers": [layer.attn.num_heads for layer in model.layers],
             "kv_layers": ModelRunner(model, 1, 4, torch.device("cpu"),
                                      torch.float32).kv_cache.shape[0],
@@ -159,6 +172,7 @@ def _check(group: dict[int, tuple[dict, dict]], one: dict, stages: int) -> None:
     assert all(len(t) == N_TOKENS for t in answers["concurrent"][0].values())
     assert answers["preempted"][1]["preemptions"] > 0
     assert answers["prefix"][1]["hits"] > 0
+    assert answers["ngram"][1]["proposed"] > 0  # n-gram proposals verified on the last stage
     assert answers["concurrent"][1]["in_flight"] == stages
     for rank, (other, _) in group.items():  # every rank's scheduler saw the same results
         assert _tokens(other) == _tokens(answers), rank
