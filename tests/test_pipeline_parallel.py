@@ -4,6 +4,7 @@ parallelism inside each) gives the greedy tokens of one rank, with P steps in fl
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import random
 import subprocess
 import sys
@@ -131,8 +132,20 @@ def _run_group(folder: str, tmp_path, stages: int, tp_size: int = 1,
              for r in range(stages * tp_size)]
     for p in procs:
         p.start()
-    results = {rank: (answers, info) for rank, answers, info in
-               (out.get(timeout=600) for _ in procs)}
+    results: dict[int, tuple[dict, dict]] = {}
+    deadline = time.monotonic() + 600
+    while len(results) < len(procs):
+        # A rank that died leaves its neighbours waiting on it for ever: fail at once.
+        if dead := [p.exitcode for p in procs if p.exitcode not in (None, 0)]:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"a rank exited with {dead[0]}")
+        assert time.monotonic() < deadline, "the group did not answer in 10 minutes"
+        try:
+            rank, answers, info = out.get(timeout=1)
+        except queue.Empty:
+            continue
+        results[rank] = (answers, info)
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
