@@ -224,6 +224,8 @@ class SchedulerLoop:
             sched = self.scheduler
             depth = ahead if self.cfg.scheduler.async_scheduling and not (sched and (
                 sched.interactive() or sched.speculating() or sched.quarantine)) else 1
+            if sched is not None:
+                sched.in_flight = depth  # micro-batches only while they can overlap
             try:
                 self._step(inflight, depth)
             except WorkerLost as e:

@@ -52,7 +52,9 @@ class Scheduler(Intake):
         """window: how far back every layer of the model attends (0: some layer sees all);
         stages: pipeline stages (see scheduler/pipeline.py)."""
         self.cfg = cfg
-        self.stages = stages
+        # Pipeline stages, and the steps the loop keeps in flight (it sets this: one at a
+        # time, a step takes every sequence it can).
+        self.stages = self.in_flight = stages
         self.staging_words = staging_words  # the most a step's inputs may take on the worker
         self.clock = clock  # a fake one in the simulation tests
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache,
@@ -227,7 +229,8 @@ class Scheduler(Intake):
             self._preempt_for_urgent(seats)
         speculate = self.speculating()
         full = False  # the staging buffer has no room for the next sequence
-        step_seats = micro_batch_seats(self.stages, len(self.running), len(self.waiting), seats)
+        step_seats = micro_batch_seats(min(self.stages, self.in_flight), len(self.running),
+                                       len(self.waiting), seats)
         # Sorting is stable: admission order holds within the decodes and within the prefills.
         for seq in sorted(self.running, key=lambda s: s.num_computed_tokens < s.num_tokens - 1):
             if budget == 0 or len(chosen) >= step_seats:

@@ -69,6 +69,7 @@ def _serve(runner: Any, prompts: dict[str, list[int]], options: dict[str, Any], 
     most = 0
     while sched.has_work() or inflight:
         depth = 1 if sched.speculating() else stages  # as the scheduler loop does
+        sched.in_flight = depth
         plan = sched.schedule() if len(inflight) < depth else None
         if plan is not None:
             inflight.append((plan, runner.launch(runner.prepare(plan))))
