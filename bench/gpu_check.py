@@ -7,13 +7,16 @@ finish within 8 minutes).
    Llama-8B-like shapes in bf16 and fp16: max abs error, median times (CUDA events, L2 flushed),
    achieved bandwidth = bytes it must read and write / time, as a fraction of the copy's.
 4. `surge bench` (128 in / 128 out) against the real server at concurrency 1, 16, 64, 256.
+5. With several GPUs, pipeline parallelism (bench/gpu_pipeline.py): PP=2 (and with 4 GPUs PP=4
+   and TP=2 x PP=2), greedy answers against one GPU's and one bench level each.
 
 --interpret-smoke runs 1-3 on the CPU, the kernels in Triton's interpreter on tiny fp32 shapes,
 so that this code runs in the test suite: its times (perf_counter) and its copy bandwidth (a
 CPU copy) mean nothing. Everything measured is printed and written as JSON to --out; the exit
 code is 1 if any check failed.
 
-Usage: bench/gpu_check.sh [--quick] [--skip-kernels] [--skip-server] [--out PATH]
+Usage: bench/gpu_check.sh [--quick] [--skip-kernels] [--skip-server] [--skip-pipeline]
+       [--out PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels
 from bench.gpu_cases import H200, SMOKE, Case, Shapes, cases, planned_decode
+from bench.gpu_pipeline import pipeline_failures, pipeline_runs
 from tests.server import ServerProcess
 
 KERNELS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
@@ -230,7 +234,7 @@ def failures(report: dict) -> list[str]:
     failed += [f"concurrency {level['concurrency']}: {level.get('error') or level['errors']}"
                for level in server.get("levels", [])
                if "error" in level or level["ok"] < level["requests"]]
-    return failed
+    return failed + pipeline_failures(report.get("pipeline", {}))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -241,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer runs and requests")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--skip-pipeline", action="store_true",
+                        help="no pipeline-parallel runs (they need 2+ GPUs)")
     parser.add_argument("--interpret-smoke", action="store_true",
                         help="kernel checks only, on the CPU in Triton's interpreter, tiny fp32 "
                              "shapes; the times mean nothing")
@@ -277,6 +283,13 @@ def run(opts: argparse.Namespace) -> dict:
             print_levels(report["server"]["levels"])
         except Exception as e:  # a server that does not start is a result too
             report["server"] = {"error": f"{type(e).__name__}: {e}"}
+        save(report, opts.out)
+    if not (smoke or opts.skip_pipeline):
+        try:
+            report["pipeline"] = pipeline_runs(opts.quick)
+        except Exception as e:
+            report["pipeline"] = {"runs": [{"stages": 0, "tp": 0,
+                                            "error": f"{type(e).__name__}: {e}"}]}
     return report
 
 
