@@ -134,9 +134,20 @@ def test_scheduler_invariants_with_speculation(actions, num_blocks, max_seqs, bu
           "priority", method, 400)
 
 
+@settings(max_examples=400, deadline=None)
+@given(_actions(20), st.integers(6, 40), st.integers(1, 8), st.integers(4, 64), st.booleans(),
+       st.sampled_from([2, 3]), st.sampled_from([0, 7]), st.sampled_from(["off", "ngram"]))
+def test_scheduler_invariants_with_pipeline_stages(actions, num_blocks, max_seqs, budget,
+                                                   prefix_cache, stages, eos_every, method):
+    """P steps in flight, each stage running them in order (the fake worker is any stage):
+    no placeholder is planned and no sequence is planned while its token is in flight."""
+    drive(actions, num_blocks, max_seqs, budget, prefix_cache, stages, eos_every, False,
+          "priority", method, STAGING_WORDS, stages=stages)
+
+
 def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bool, depth: int,
           eos_every: int, bucketing: bool, policy: str, speculation: str,
-          staging_words: int = STAGING_WORDS) -> None:
+          staging_words: int = STAGING_WORDS, stages: int = 1) -> None:
     """Also: every step fits the staging buffer (a request whose step never could ends with
     an error), and a lost worker's steps make suspects of their requests (see Quarantine)."""
     bs = 4
@@ -152,7 +163,7 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
                       speculative=SpeculativeConfig(speculative_method=speculation, ngram_min=1,
                                                     speculative_max_batch=8,
                                                     speculative_min_acceptance=0.0),
-                      staging_words=staging_words)
+                      staging_words=staging_words, stages=stages)
     worker = FakeWorker(bs, eos_every)
     inflight: deque[tuple[StepPlan, StepResult]] = deque()
     outputs: dict[str, list[int]] = {}
@@ -180,7 +191,10 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
 
     def step() -> None:
         clock[0] += 1.0
-        if len(inflight) >= (1 if sched.quarantine else depth):  # as the loop does
+        # As the loop does (which also plans one at a time while sequences speculate).
+        ahead = 1 if sched.quarantine or (stages > 1 and sched.speculating()) else depth
+        sched.in_flight = ahead
+        if len(inflight) >= ahead:
             finish_one()
         plan = sched.schedule()
         end(sched.failed)
@@ -194,6 +208,10 @@ def drive(actions, num_blocks: int, max_seqs: int, budget: int, prefix_cache: bo
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs)
         assert step_words(plan, sampling=True) <= staging_words
         assert not sched.quarantine or len(plan.seqs) == 1
+        if stages > 1:
+            sampling = {s.seq_id for p, _ in inflight for s in p.seqs if s.sample}
+            assert not sampling & {s.seq_id for s in plan.seqs}
+            assert all(PREVIOUS_TOKEN not in s.token_ids for s in plan.seqs)
         inflight.append((plan, worker.run(plan)))
         check_blocks(sched.blocks, sched.requests.values())
 
