@@ -8,8 +8,8 @@ stage's idle share is 1 - its busy seconds over the bench's wall time. On the CP
 gets its share of the cores (one each on 2 cores at P=2).
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.pipeline_bench [--stages 2]
-       [--concurrency 16] [--num-requests 64] [--input-len 64] [--output-len 64]
-       [--model default] [--device cpu] [--dtype auto] [--output result.json]
+       [--pipeline-layers 18,12] [--concurrency 16] [--num-requests 64] [--input-len 64]
+       [--output-len 64] [--model default] [--device cpu] [--dtype auto] [--output result.json]
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def busy_seconds(url: str) -> dict[str, float]:
 
 
 def run_mode(opts: argparse.Namespace, flags: tuple[str, ...]) -> dict:
+    split = ("--pipeline-layers", opts.pipeline_layers) if opts.pipeline_layers else ()
     server = ServerProcess("--model", opts.model, "--device", opts.device,
-                           "--pipeline-parallel-size", str(opts.stages), *flags,
+                           "--pipeline-parallel-size", str(opts.stages), *split, *flags,
                            dtype=opts.dtype, kv_cache_memory="1GiB").wait_ready(300)
     bench = [sys.executable, "-m", "surge.cli", "bench", "--url", server.url,
              "--prompt-format", "tokens", "--input-len", str(opts.input_len),
@@ -66,6 +67,7 @@ def run_mode(opts: argparse.Namespace, flags: tuple[str, ...]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--pipeline-layers", help="the split, e.g. 18,12 (default: even)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64)
@@ -79,7 +81,8 @@ def main() -> None:
     for name, flags in MODES.items():
         report[name] = run_mode(opts, flags)
     report["load_average_end"] = os.getloadavg()
-    print(f"PP={opts.stages}, concurrency {opts.concurrency}, {opts.num_requests} requests, "
+    print(f"PP={opts.stages} (layers {opts.pipeline_layers or 'even'}), concurrency "
+          f"{opts.concurrency}, {opts.num_requests} requests, "
           f"{opts.input_len} in / {opts.output_len} out, {opts.model} on {opts.device}:")
     for name in MODES:
         row = report[name]
