@@ -1,6 +1,6 @@
 """x W^T through the C++ products, as kernels.matmul's: kernels/cpu/gemv.cpp for a few rows of
 bf16 (more rows go to oneDNN, which is faster there: bench.cpu_kernels_bench), and
-kernels/cpu/int4.cpp on int4 weights."""
+kernels/cpu/int4.cpp and int8.cpp on quantized weights."""
 
 from __future__ import annotations
 
@@ -23,3 +23,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 mins: torch.Tensor) -> torch.Tensor:
     return extension().int4_linear(x, packed, scales, mins)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return extension().int8_linear(x, q, scales)

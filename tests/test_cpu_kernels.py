@@ -207,13 +207,51 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
                                                             mins), rtol=2**-7, atol=1e-4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 12), st.integers(1, 50),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
+def test_int8_linear_is_the_dequantized_product(m, sixteens, n, dtype, seed):
+    """Against the float64 product of the dequantized weight: the per-row scales reach the
+    sums unrounded (fp32), whatever the rows, widths and activation dtype."""
+    from gpu_workers.quant import quantize_int8
+
+    torch.manual_seed(seed)
+    k = 16 * sixteens
+    q, scales = quantize_int8(torch.randn(n, k))
+    x = torch.randn(m, k).to(dtype)
+    got = matmul_cpu.int8_linear(x, q, scales)
+    assert got.shape == (m, n) and got.dtype == dtype
+    w = q.double() * scales.double()[:, None]
+    exact = x.double() @ w.T
+    rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
+    bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, matmul_ref.int8_linear(x, q, scales), rtol=2**-7,
+                               atol=1e-4)
+
+
+def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():
+    """Int8Linear keeps fp32 scales for the C++ product; on the reference it is PyTorch's."""
+    from gpu_workers.quant import Int8Linear
+
+    w = torch.randn(24, 64)
+    cpp = Int8Linear(w.bfloat16(), kernels.for_device(torch.device("cpu"), "cpu"))
+    assert cpp.scales.dtype == torch.float32
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(cpp(x), matmul_ref.int8_linear(x, cpp.q, cpp.scales),
+                               rtol=2**-7, atol=1e-4)
+    plain = Int8Linear(w.bfloat16())
+    assert plain.scales.dtype == torch.bfloat16
+    torch.testing.assert_close(plain(x).float(), cpp(x).float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantization", "ranks", "dtype"),
                          [("none", 1, "bfloat16"), ("int4", 1, "bfloat16"),
-                          ("none", 3, "float32")])
+                          ("int8", 1, "bfloat16"), ("none", 3, "float32")])
 def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
-    """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 ones to the
-    C++ int4 product), and the C++ attention split over 3 gloo ranks (9 heads; in float32,
+    """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 and int8
+    ones to the C++ low-bit products), and the C++ attention split over 3 gloo ranks (9 heads; in float32,
     since in bf16 this prompt's first token is a near-tie that the split's rounding can turn);
     one request and four at once (still the small-M path) answer alike."""
     srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization,
@@ -223,7 +261,7 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
         assert "cpu kernels (--kernel-backend)" in log
         # With int4 layers, the LM head still takes the small-M product.
         assert ("C++ products up to 4 rows" in log) == (dtype == "bfloat16")
-        assert ("int4 weights" in log) == (quantization == "int4")
+        assert (f"{quantization} weights" in log) == (quantization != "none")
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
         def ask(_: int = 0) -> str:
