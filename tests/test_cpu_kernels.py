@@ -251,8 +251,9 @@ def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():
                           ("int8", 1, "bfloat16"), ("none", 3, "float32")])
 def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
     """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 and int8
-    ones to the C++ low-bit products), and the C++ attention split over 3 gloo ranks (9 heads; in float32,
-    since in bf16 this prompt's first token is a near-tie that the split's rounding can turn);
+    ones to the C++ low-bit products), and the C++ attention split over 3 gloo ranks (9 heads;
+    in float32, since in bf16 this prompt's first token is a near-tie that the split's rounding
+    can turn);
     one request and four at once (still the small-M path) answer alike."""
     srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization,
                         "--tensor-parallel-size", str(ranks), dtype=dtype).wait_ready()
