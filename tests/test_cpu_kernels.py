@@ -132,12 +132,41 @@ def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, se
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_linear_takes_the_cpp_product_for_few_rows_only():
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 140), st.integers(1, 24), st.integers(1, 80), seeds)
+def test_amx_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed):
+    """Row counts over one, two and several x tiles (and past AMX_ROWS), widths of any number
+    of tiles, output counts that are no multiple of the 32-row W block."""
+    if not matmul_cpu.has_amx():
+        pytest.skip("no AMX tiles on this CPU: the AVX-512 / AVX2 product serves instead")
+    torch.manual_seed(seed)
+    x, weight = torch.randn(m, 32 * k32).bfloat16(), torch.randn(n, 32 * k32).bfloat16()
+    got = extension().amx_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_amx_is_found_where_the_cpu_has_it():
+    """A build on an AMX machine that did not take the tiles would quietly lose them."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    assert matmul_cpu.has_amx() == ("amx_bf16" in flags and "avx512_bf16" in flags)
+
+
+def test_linear_takes_the_cpp_products_up_to_their_row_counts():
     weight = torch.randn(40, 64).bfloat16()
-    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, 33):
+    cpp_rows = matmul_cpu.max_rows()
+    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, cpp_rows,
+                 cpp_rows + 1):
         x = torch.randn(rows, 64).bfloat16()
-        want = (extension().small_m_linear(x, weight) if rows <= matmul_cpu.SMALL_M_ROWS
-                else torch.nn.functional.linear(x, weight))
+        if rows > cpp_rows:
+            want = torch.nn.functional.linear(x, weight)
+        elif matmul_cpu.has_amx():
+            want = extension().amx_linear(x, weight)
+        else:
+            want = extension().small_m_linear(x, weight)
         assert torch.equal(matmul_cpu.linear(x, weight), want), rows
     x32 = torch.randn(2, 64)
     assert torch.equal(matmul_cpu.linear(x32, weight.float()),
@@ -261,7 +290,8 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
         log = srv.output()
         assert "cpu kernels (--kernel-backend)" in log
         # With int4 layers, the LM head still takes the small-M product.
-        assert ("C++ products up to 4 rows" in log) == (dtype == "bfloat16")
+        assert (f"C++ products up to {matmul_cpu.max_rows()} rows" in log) == \
+            (dtype == "bfloat16")
         assert (f"{quantization} weights" in log) == (quantization != "none")
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
