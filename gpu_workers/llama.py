@@ -174,9 +174,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ff, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            hidden = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 
@@ -210,7 +215,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             x = ops.rms_norm(x, self.attn_out_norm, self.eps)
         x, residual = ops.add_rms_norm(x, residual, self.mlp_norm, self.eps)
-        x = self.mlp(x, ops) if isinstance(self.mlp, MoE) else self.mlp(x)
+        x = self.mlp(x, ops)
         if self.mlp_out_norm is not None:
             x = ops.rms_norm(x, self.mlp_out_norm, self.eps)
         return x, residual

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.activation import silu_mul
 from kernels.attention import (
     decode_attention,
     fixed_order_attention,
@@ -45,6 +46,7 @@ class Kernels:
     linear: Callable
     int4_linear: Callable
     int8_linear: Callable
+    silu_mul: Callable
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -55,7 +57,7 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int4_linear": "matmul", "int8_linear": "matmul"}
+            "int4_linear": "matmul", "int8_linear": "matmul", "silu_mul": "activation"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -116,5 +118,6 @@ __all__ = [
     "rms_norm",
     "rotary_angles",
     "rotary_cache",
+    "silu_mul",
     "store_kv",
 ]

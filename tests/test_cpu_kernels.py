@@ -204,6 +204,23 @@ def test_a_bf16_model_on_cpp_products_agrees_with_float32_as_plain_bf16(model_fi
     assert agreeing["routed"] >= agreeing["plain"] - 2, agreeing
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 100), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.floats(0.1, 60.0), seeds)
+def test_silu_mul_is_the_reference_in_one_pass(rows, width, dtype, spread, seed):
+    """Widths that are no multiple of a vector, and gates far out on both sides (where e^-g
+    overflows or vanishes), within one rounding of the float64 value."""
+    from kernels import activation, activation_cpu
+
+    torch.manual_seed(seed)
+    x = (torch.randn(rows, 2 * width) * spread).to(dtype)
+    got = activation_cpu.silu_mul(x)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    exact = activation.silu_mul(x.double())
+    rounding = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - exact).abs() <= rounding * exact.abs() + 1e-30).all()
+
+
 def test_q4_packing_round_trips():
     q = torch.randint(0, 16, (5, 96))
     packed = matmul_ref.pack_q4(q)

@@ -11,6 +11,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
 std::string gemv_isa();
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
 bool amx_available();
+torch::Tensor silu_mul(const torch::Tensor& x);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales, const torch::Tensor& mins);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
@@ -25,5 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per output row, fp32 sums");
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
   m.def("gemv_isa", &gemv_isa, "the instruction set small_m_linear was built for");
 }
