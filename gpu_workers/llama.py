@@ -118,10 +118,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q.copy_(ops.rms_norm(q, self.q_norm, self.eps))
             k.copy_(ops.rms_norm(k, self.k_norm, self.eps))
-        # Queries and keys are adjacent columns: rotate them in one pass.
-        ops.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
+        # Queries and keys are adjacent columns: rotated in one pass, and stored with v.
         k_cache, v_cache = kv_cache
-        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.rotate_and_store(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], v,
+                             *rope, k_cache, v_cache, meta.slot_mapping)
         extra = dict(window=self.window, softcap=self.softcap)
         if meta.fixed_order:
             out = _fixed_order(q, k_cache, v_cache, meta, self.scale, **extra)

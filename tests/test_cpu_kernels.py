@@ -221,6 +221,39 @@ def test_silu_mul_is_the_reference_in_one_pass(rows, width, dtype, spread, seed)
     assert ((got.double() - exact).abs() <= rounding * exact.abs() + 1e-30).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([(4, 4), (9, 3), (8, 1)]), st.sampled_from([64, 128]),
+       st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+def test_rotate_and_store_is_rotary_then_store(tokens, heads, dim, dtype, seed):
+    """On a view of the qkv projection (rows strided), into shuffled slots of a cache whose
+    other slots must stay untouched: the fused kernel against the reference's two passes."""
+    from kernels import rotary
+
+    torch.manual_seed(seed)
+    h, kvh = heads
+    qkv = torch.randn(tokens, (h + 2 * kvh) * dim).to(dtype)
+    positions = torch.randint(0, 500, (tokens,))
+    cos, sin = rotary.rotary_angles(positions, rotary.rotary_cache(dim, 512, 10000.0))
+    k_cache = torch.full((kvh, 8, 16, dim), float("nan"), dtype=dtype)
+    slots = torch.randperm(8 * 16)[:tokens]
+    done = {}
+    for name, ops in (("cpp", kernels.for_device(torch.device("cpu"), "cpu")),
+                      ("reference", kernels.REFERENCE)):
+        x, kc, vc = qkv.clone(), k_cache.clone(), k_cache.clone()
+        heads_view = x.view(tokens, h + 2 * kvh, dim)
+        ops.rotate_and_store(heads_view[:, : h + kvh], heads_view[:, h + kvh:], cos, sin, kc, vc,
+                             slots)
+        done[name] = (x, kc, vc)
+    tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype], equal_nan=True)
+    for got, want in zip(done["cpp"], done["reference"], strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    # Exactly the slots given were written; every other one still holds its poison.
+    written = torch.zeros(8 * 16, dtype=torch.bool)
+    written[slots] = True
+    assert not done["cpp"][1].view(kvh, -1, dim)[:, written].isnan().any()
+    assert done["cpp"][1].view(kvh, -1, dim)[:, ~written].isnan().all()
+
+
 def test_q4_packing_round_trips():
     q = torch.randint(0, 16, (5, 96))
     packed = matmul_ref.pack_q4(q)

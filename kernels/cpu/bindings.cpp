@@ -12,6 +12,9 @@ std::string gemv_isa();
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
 bool amx_available();
 torch::Tensor silu_mul(const torch::Tensor& x);
+void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
+                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                      const torch::Tensor& slots);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales, const torch::Tensor& mins);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
@@ -27,5 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
+  m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");
   m.def("gemv_isa", &gemv_isa, "the instruction set small_m_linear was built for");
 }
