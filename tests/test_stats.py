@@ -23,7 +23,8 @@ from surge.protocol import (
 )
 
 # Counters and histograms are process-wide: the test compares them with their start values.
-M = {"model_name": "m"}
+# The scheduler's own engine series also name its data-parallel replica.
+M = {"model_name": "m", "replica": "0"}
 _TOTALS = [("surge_batch_size_count", {}), ("surge_step_tokens_sum", {}),
            ("surge_queue_wait_seconds_count", M), ("surge_prefix_cache_hit_tokens_total", M),
            ("surge_rejected_requests_total", {"tenant": "acme", "limit": "max_concurrent"}),
@@ -87,7 +88,7 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     assert (snap.kv_blocks_used, snap.kv_blocks_total) == (3, 32)  # a's two, b's second
 
     stats.export(snap, sched, cfg)
-    assert (_value("surge_running_requests", **M), _value("surge_queued_prompt_tokens")) == (2, 3)
+    assert (_value("surge_running_requests", **M), _value("surge_queued_prompt_tokens", replica="0")) == (2, 3)
     assert (_value("surge_kv_cache_blocks_used", **M), _value("surge_kv_cache_blocks", **M)) == \
         (3, 32)
     assert _value("surge_kv_cache_usage_ratio", **M) == 3 / 32
