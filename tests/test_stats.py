@@ -88,7 +88,8 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     assert (snap.kv_blocks_used, snap.kv_blocks_total) == (3, 32)  # a's two, b's second
 
     stats.export(snap, sched, cfg)
-    assert (_value("surge_running_requests", **M), _value("surge_queued_prompt_tokens", replica="0")) == (2, 3)
+    assert (_value("surge_running_requests", **M),
+            _value("surge_queued_prompt_tokens", replica="0")) == (2, 3)
     assert (_value("surge_kv_cache_blocks_used", **M), _value("surge_kv_cache_blocks", **M)) == \
         (3, 32)
     assert _value("surge_kv_cache_usage_ratio", **M) == 3 / 32
