@@ -233,7 +233,8 @@ def failures(report: dict) -> list[str]:
         server = report.get(key, {})
         if "error" in server:
             failed.append(f"{key}: {server['error']}")
-        failed += [f"{key} concurrency {level['concurrency']}: "
+        where = "" if key == "server" else "data parallel, "
+        failed += [f"{where}concurrency {level['concurrency']}: "
                    f"{level.get('error') or level['errors']}"
                    for level in server.get("levels", [])
                    if "error" in level or level["ok"] < level["requests"]]
