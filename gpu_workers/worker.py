@@ -25,7 +25,7 @@ from gpu_workers.moe import take_expert_load
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import TensorParallel, init_group
 from gpu_workers.quant import quantize_model
-from kernels.matmul_cpu import SMALL_M_ROWS
+from kernels import matmul_cpu
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig
@@ -193,7 +193,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
-                   f"{f' (C++ products up to {SMALL_M_ROWS} rows)' if routed else ''}"
+                   f"{f' (C++ products up to {matmul_cpu.max_rows()} rows)' if routed else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "

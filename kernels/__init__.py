@@ -20,7 +20,7 @@ from kernels.attention import (
     prefill_attention,
     store_kv,
 )
-from kernels.matmul import int4_linear, linear
+from kernels.matmul import int4_linear, int8_linear, linear
 from kernels.moe import fused_moe
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
@@ -44,6 +44,7 @@ class Kernels:
     fused_moe: Callable
     linear: Callable
     int4_linear: Callable
+    int8_linear: Callable
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -54,7 +55,7 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int4_linear": "matmul"}
+            "int4_linear": "matmul", "int8_linear": "matmul"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -108,6 +109,7 @@ __all__ = [
     "for_device",
     "fused_moe",
     "int4_linear",
+    "int8_linear",
     "linear",
     "plan_decode",
     "prefill_attention",
