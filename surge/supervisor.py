@@ -199,8 +199,8 @@ class Supervisor:
             self.replicas[int(name.split()[-1]) if " " in name else 0].problem = info
             if self.problem:
                 notify(f"STATUS=unhealthy: {self.problem}")
-            elif info:
-                notify(f"STATUS=degraded: {info}")
+            elif ailing := [r.problem for r in self.replicas if r.problem]:
+                notify(f"STATUS=degraded: {'; '.join(ailing)}")
             else:
                 notify(f"STATUS=serving on http://{self.cfg.server.host}:{self.cfg.server.port}")
 

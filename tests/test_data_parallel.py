@@ -122,9 +122,14 @@ def test_pools_keep_batch_traffic_off_the_interactive_replica_and_change_live(se
                "pools.batch.min_priority=-2147483648")
 
 
-def test_admin_stats_show_each_replica(server):
+def test_admin_stats_and_metrics_show_each_replica(server):
     out = _admin(server, "stats")
     assert "replica 0" in out and "replica 1" in out, out
+    model = {"model_name": "SmolLM2-135M-Instruct"}
+    for replica in ("0", "1"):
+        assert server.metric("surge_kv_cache_blocks", **model, replica=replica) > 0
+        assert server.metric("surge_prefix_cache_queried_tokens_total", **model,
+                             replica=replica) > 0
 
 
 def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
