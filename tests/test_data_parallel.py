@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from surge.admin import ask
 from tests.server import ServerProcess, descendants
 from tests.test_shutdown import _streams, _title
 
@@ -31,6 +32,7 @@ def server(tmp_path_factory):
                            str(config), "--max-num-seqs", "8", env=env,
                            kv_cache_memory="64MiB").wait_ready()
     server.root = str(root)
+    server.config = config
     yield server
     assert server.stop() == 0
 
@@ -130,6 +132,22 @@ def test_admin_stats_and_metrics_show_each_replica(server):
         assert server.metric("surge_kv_cache_blocks", **model, replica=replica) > 0
         assert server.metric("surge_prefix_cache_queried_tokens_total", **model,
                              replica=replica) > 0
+
+
+def test_a_reload_reaches_every_replica(server):
+    server.config.write_text("[routing]\nroute_balance_margin = 6\n")
+    _admin(server, "reload")
+    deadline = time.monotonic() + 30
+    for address in ("admin", "admin-1"):  # each scheduler holds it
+        while (got := ask(f"ipc://{_runtime_dir(server)}/{address}", "get").values
+               ["route_balance_margin"]) != 6:
+            assert time.monotonic() < deadline, (address, got)
+            time.sleep(0.5)
+
+
+def _runtime_dir(server: ServerProcess) -> str:
+    (found,) = [p for p in os.listdir(server.root) if p.startswith("surge-")]
+    return os.path.join(server.root, found)
 
 
 def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
