@@ -74,19 +74,19 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
                generation: int = 0) -> None:
     """Rank `rank` of the tensor-parallel group (cfg.model resolved by devices.resolve); the
     group's rendezvous file is new for each `generation` of workers."""
-    child_setup(f"worker {rank}", cfg)
+    child_setup(channels.name("worker", rank), cfg)
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
     results.connect(channels.results)
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
-        runner, ready = _load(cfg, rank, channels.runtime_dir, generation)
+        runner, ready = _load(cfg, rank, channels.runtime_dir, generation, channels.replica)
         ready.generation = generation
         device = runner.device
         crash_token = _test_crash_token()
         ring.skip_to_end()
         results.send(encode(ready))
-        status.put((f"worker {rank}", ready.description))
+        status.put((channels.name("worker", rank), ready.description))
         decoder = msgspec.msgpack.Decoder(PlanMessage)
         idle_since = time.perf_counter()
         pending: tuple[Launched, float, float] | None = None  # launched, started, idle before
@@ -135,11 +135,12 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
-def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
+def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replica: int = 0
           ) -> tuple[ModelRunner, WorkerReady]:
-    device = place(cfg.model, rank)
+    device = place(cfg.model, rank, replica)
     tp = TensorParallel(rank, cfg.model.tensor_parallel_size, cfg.model.enable_expert_parallel)
-    init_group(tp, device, f"{runtime_dir}/tp-{generation}")
+    # Each data-parallel replica's group meets at its own rendezvous file.
+    init_group(tp, device, f"{runtime_dir}/tp{replica or ''}-{generation}")
     dtype = pick_dtype(cfg.model, device)
     files = resolve_model(cfg.model.model)
     started = time.monotonic()
