@@ -1,10 +1,11 @@
 """The C++ kernel backend against the serving default on this CPU: runner decode-step time,
 the models stepped alternately in one process so both see the same load. bf16: the default
 (reference kernels, oneDNN-packed weights) vs `--kernel-backend cpu` (C++ paged attention,
-norms and small-M products); int4: PyTorch's int4 operator vs the C++ int4 product.
+norms and bf16 products: AMX tiles where the CPU has them); int4 / int8: PyTorch's low-bit
+operators vs the C++ int4 / int8 products.
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_backend_step [--batches 1,4,64]
-       [--steps 12] [--modes bf16,int4]
+       [--steps 12] [--modes bf16,int4,int8]
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def load(mode: str, backend: str) -> LlamaModel:
     model = load_model(resolve_model("default"), torch.device("cpu"), torch.bfloat16,
                        keep_q4_1=mode == "int4")
     model.ops = kernels.for_device(torch.device("cpu"), backend)
-    if mode == "int4":
-        quantize_model(model, "int4", 32, ops=model.ops)
+    if mode in ("int4", "int8"):
+        quantize_model(model, mode, 32, ops=model.ops)
     if backend == "cpu":
         route_linears(model, model.ops)
     else:
@@ -42,7 +43,7 @@ def load(mode: str, backend: str) -> LlamaModel:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,4,64")
+    parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--modes", default="bf16,int4")

@@ -1,10 +1,13 @@
 """The C++ CPU kernels against what they replace, timed alternately in one process.
 
-Small-M linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++
-kernel (kernels/cpu/gemv.cpp) against oneDNN on packed weights and plain F.linear, in
-microseconds and in GB/s of weights read, beside the machine's measured copy bandwidth.
+Linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++ kernels
+(kernels/cpu/gemv.cpp, and kernels/cpu/amx.cpp where the CPU has AMX) against oneDNN on packed
+weights and plain F.linear, in microseconds and in GB/s of weights read, beside the machine's
+measured copy bandwidth; and decode attention over the paged KV cache (64 sequences at
+context 512 by default, the bundled model's 9 query / 3 KV heads of 64), the C++ kernel against
+the reference, in GB/s of K/V read.
 
-Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16]
+Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
        [--repeats 30] [--threads N] [--output result.json]
 
 With one thread the figures hold while another process has the other core: a two-thread
@@ -23,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import attention, attention_cpu
 from kernels.cpu import extension
 
 # (name, in, out): SmolLM2-135M's projections, its head, and one Llama-8B MLP product.
@@ -55,11 +59,31 @@ def time_alternately(fns: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def attention_rates(seqs: int, context: int, repeats: int, block: int = 16, heads: int = 9,
+                    kv_heads: int = 3, dim: int = 64) -> dict[str, float]:
+    """Seconds of one layer's decode attention, C++ and reference, on shuffled blocks."""
+    blocks = seqs * (-(-context // block))
+    k_cache = torch.randn(kv_heads, blocks + 1, block, dim).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks).view(seqs, -1)
+    lens = torch.full((seqs,), context)
+    q = torch.randn(seqs, heads, dim).bfloat16()
+    plans = {"cpp": attention_cpu.plan_decode(tables, lens, k_cache),
+             "reference": attention.plan_decode(tables, lens, k_cache)}
+    return time_alternately({
+        "cpp": lambda: attention_cpu.decode_attention(q, k_cache, v_cache, plans["cpp"], 0.125),
+        "reference": lambda: attention.decode_attention(q, k_cache, v_cache,
+                                                        plans["reference"], 0.125),
+    }, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--attention", default="64x512",
+                        help="decode attention: SEQSxCONTEXT ('' skips it)")
     parser.add_argument("--output")
     args = parser.parse_args()
     if args.threads:
@@ -68,32 +92,51 @@ def main() -> None:
     if ext is None:
         raise SystemExit("the C++ kernels did not build")
     bandwidth = copy_bandwidth()
-    print(f"{torch.get_num_threads()} threads, C++ products built for {ext.gemv_isa()}, "
-          f"copy bandwidth {bandwidth:.1f} GB/s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'onednn us':>9} {'plain us':>9} "
-          f"{'c++ GB/s':>8} {'onednn':>7}")
+    amx = ext.amx_available()
+    print(f"{torch.get_num_threads()} threads, C++ products built for {ext.gemv_isa()}"
+          f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
+          f"{'plain us':>9} {'c++ GB/s':>8} {'amx':>7} {'onednn':>7}")
     rows_out = []
     for name, k, n in SHAPES:
         weight = torch.randn(n, k).bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k).bfloat16()
-            t = time_alternately({
+            fns = {
                 "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
                 "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
                     x, p, None, "none", [], ""),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
-            }, args.repeats)
+            }
+            if amx and k % 32 == 0:
+                fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
+            t = time_alternately(fns, args.repeats)
             gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
-            print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t['onednn'] * 1e6:>9.1f} "
-                  f"{t['plain'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} {gbs['onednn']:>7.1f}")
+            nan = float("nan")
+            print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
+                  f"{t['onednn'] * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
+                  f"{gbs.get('amx', nan):>7.1f} {gbs['onednn']:>7.1f}")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},
                              **{f"{key}_gbs": g for key, g in gbs.items()}})
+    attn = {}
+    if args.attention:
+        seqs, context = (int(v) for v in args.attention.split("x"))
+        kv_bytes = 2 * seqs * context * 3 * 64 * 2  # K and V, 3 KV heads of 64, bf16
+        t = attention_rates(seqs, context, args.repeats)
+        attn = {f"{key}_us": s * 1e6 for key, s in t.items()}
+        attn.update({f"{key}_gbs": kv_bytes / s / 1e9 for key, s in t.items()})
+        print(f"decode attention, {seqs} sequences at context {context} ({kv_bytes / 1e6:.1f} MB "
+              f"of K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
+              f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), reference "
+              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "rows": rows_out}, f,
+            json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "amx": amx,
+                       "rows": rows_out, "attention": attn}, f,
                       indent=1)
 
 

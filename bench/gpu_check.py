@@ -7,7 +7,9 @@ finish within 8 minutes).
    Llama-8B-like shapes in bf16 and fp16: max abs error, median times (CUDA events, L2 flushed),
    achieved bandwidth = bytes it must read and write / time, as a fraction of the copy's.
 4. `surge bench` (128 in / 128 out) against the real server at concurrency 1, 16, 64, 256.
-5. With several GPUs, pipeline parallelism (bench/gpu_pipeline.py): PP=2 (and with 4 GPUs PP=4
+5. With two or more GPUs visible: the same at concurrency 64 and 256 with one data-parallel
+   replica per GPU (--data-parallel-size), against step 4's single GPU.
+6. With several GPUs, pipeline parallelism (bench/gpu_pipeline.py): PP=2 (and with 4 GPUs PP=4
    and TP=2 x PP=2), greedy answers against one GPU's and one bench level each.
 
 --interpret-smoke runs 1-3 on the CPU, the kernels in Triton's interpreter on tiny fp32 shapes,
@@ -15,8 +17,8 @@ so that this code runs in the test suite: its times (perf_counter) and its copy 
 CPU copy) mean nothing. Everything measured is printed and written as JSON to --out; the exit
 code is 1 if any check failed.
 
-Usage: bench/gpu_check.sh [--quick] [--skip-kernels] [--skip-server] [--skip-pipeline]
-       [--out PATH]
+Usage: bench/gpu_check.sh [--quick] [--skip-kernels] [--skip-server] [--skip-dp]
+       [--skip-pipeline] [--out PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ KERNELS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "add
 # As tests/test_triton_kernels.py: a few units in the last place of each dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 LEVELS = (1, 16, 64, 256)
+DP_LEVELS = (64, 256)  # where replicas can help: enough requests to keep each one busy
 # 256 sequences in one batch (the default is 128), and KV room for all of them at 256 tokens.
 SERVER_ARGS = ("--device", "cuda", "--max-num-seqs", "256")
 SERVER_KV_CACHE = "4GiB"
@@ -186,17 +189,19 @@ def bench_level(url: str, concurrency: int, requests: int) -> dict:
         return json.loads(out.read_text())["results"][0]
 
 
-def server_benchmark(quick: bool) -> dict:
-    """The real server on the GPU (the default model, dtype auto), loaded by `surge bench` at
-    each concurrency level; a level that fails is recorded and the next one still runs."""
-    server = ServerProcess(*SERVER_ARGS, dtype="auto", kv_cache_memory=SERVER_KV_CACHE)
+def server_benchmark(quick: bool, replicas: int = 1) -> dict:
+    """The real server on the GPU (the default model, dtype auto; `replicas` data-parallel
+    engines, one GPU each), loaded by `surge bench` at each concurrency level; a level that
+    fails is recorded and the next one still runs."""
+    args = (*SERVER_ARGS, "--data-parallel-size", str(replicas)) if replicas > 1 else SERVER_ARGS
+    server = ServerProcess(*args, dtype="auto", kv_cache_memory=SERVER_KV_CACHE)
     try:
         server.wait_ready(timeout=180)
         # The worker's line names the device and dtype; the scheduler's the KV capacity.
         startup = [line for line in server.output().splitlines() if " ready" in line]
         print(*startup, sep="\n", flush=True)
         levels = []
-        for concurrency in LEVELS:
+        for concurrency in LEVELS if replicas == 1 else DP_LEVELS:
             requests = max(concurrency, 4) if quick else max(2 * concurrency, 16)
             try:
                 levels.append(bench_level(server.url, concurrency, requests))
@@ -204,7 +209,7 @@ def server_benchmark(quick: bool) -> dict:
                 levels.append({"concurrency": concurrency, "error": f"{type(e).__name__}: {e}"})
     finally:
         server.stop()
-    return {"args": [*SERVER_ARGS, "--kv-cache-memory", SERVER_KV_CACHE], "startup": startup,
+    return {"args": [*args, "--kv-cache-memory", SERVER_KV_CACHE], "startup": startup,
             "levels": levels}
 
 
@@ -228,12 +233,15 @@ def failures(report: dict) -> list[str]:
     """One line per failed check: a kernel case, the server, or a level with errors."""
     failed = [f"{r['kernel']} {r['dtype']} {r['shape']}: {r['error']}"
               for r in report.get("kernels", []) if r["status"] == "FAIL"]
-    server = report.get("server", {})
-    if "error" in server:
-        failed.append(f"server: {server['error']}")
-    failed += [f"concurrency {level['concurrency']}: {level.get('error') or level['errors']}"
-               for level in server.get("levels", [])
-               if "error" in level or level["ok"] < level["requests"]]
+    for key in ("server", "dp_server"):
+        server = report.get(key, {})
+        if "error" in server:
+            failed.append(f"{key}: {server['error']}")
+        where = "" if key == "server" else "data parallel, "
+        failed += [f"{where}concurrency {level['concurrency']}: "
+                   f"{level.get('error') or level['errors']}"
+                   for level in server.get("levels", [])
+                   if "error" in level or level["ok"] < level["requests"]]
     return failed + pipeline_failures(report.get("pipeline", {}))
 
 
@@ -245,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer runs and requests")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--skip-dp", action="store_true",
+                        help="no data-parallel run even with several GPUs")
     parser.add_argument("--skip-pipeline", action="store_true",
                         help="no pipeline-parallel runs (they need 2+ GPUs)")
     parser.add_argument("--interpret-smoke", action="store_true",
@@ -283,6 +293,15 @@ def run(opts: argparse.Namespace) -> dict:
             print_levels(report["server"]["levels"])
         except Exception as e:  # a server that does not start is a result too
             report["server"] = {"error": f"{type(e).__name__}: {e}"}
+        save(report, opts.out)
+    gpus = 0 if smoke else torch.cuda.device_count()
+    if gpus > 1 and not (opts.skip_server or opts.skip_dp):
+        try:
+            report["dp_server"] = server_benchmark(opts.quick, replicas=gpus)
+            print(f"data parallel, {gpus} replicas of one GPU:")
+            print_levels(report["dp_server"]["levels"])
+        except Exception as e:
+            report["dp_server"] = {"error": f"{type(e).__name__}: {e}"}
         save(report, opts.out)
     if not (smoke or opts.skip_pipeline):
         try:

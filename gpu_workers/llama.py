@@ -119,10 +119,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q.copy_(ops.rms_norm(q, self.q_norm, self.eps))
             k.copy_(ops.rms_norm(k, self.k_norm, self.eps))
-        # Queries and keys are adjacent columns: rotate them in one pass.
-        ops.apply_rotary_(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], *rope)
+        # Queries and keys are adjacent columns: rotated in one pass, and stored with v.
         k_cache, v_cache = kv_cache
-        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.rotate_and_store(qkv.view(t, heads + 2 * kv_heads, d)[:, : heads + kv_heads], v,
+                             *rope, k_cache, v_cache, meta.slot_mapping)
         extra = dict(window=self.window, softcap=self.softcap)
         if meta.fixed_order:
             out = _fixed_order(q, k_cache, v_cache, meta, self.scale, **extra)
@@ -175,9 +175,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ff, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            hidden = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 
@@ -211,7 +216,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             x = ops.rms_norm(x, self.attn_out_norm, self.eps)
         x, residual = ops.add_rms_norm(x, residual, self.mlp_norm, self.eps)
-        x = self.mlp(x, ops) if isinstance(self.mlp, MoE) else self.mlp(x)
+        x = self.mlp(x, ops)
         if self.mlp_out_norm is not None:
             x = ops.rms_norm(x, self.mlp_out_norm, self.eps)
         return x, residual

@@ -61,15 +61,21 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
+    """On the C++ backend the scales stay fp32 (kernels/cpu/int8.cpp); PyTorch's operator
+    takes them in the activations' dtype."""
+
+    def __init__(self, weight: torch.Tensor, ops: Kernels = kernels.REFERENCE) -> None:
         super().__init__()
         q, scales = quantize_int8(weight)
+        self.ops = ops
         self.q = nn.Buffer(q)
-        self.scales = nn.Buffer(scales.to(weight.dtype))
+        self.scales = nn.Buffer(scales if ops.name == "cpu" else scales.to(weight.dtype))
         self.fast = _has_op("_weight_int8pack_mm", weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (the model's tokens are flat) -> [T, out]."""
+        if self.ops.name == "cpu":
+            return self.ops.int8_linear(x, self.q, self.scales)
         if self.fast:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return F.linear(x, self.q.to(x.dtype)) * self.scales
@@ -137,10 +143,10 @@ class FP8Linear(nn.Module):
 def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
               ops: Kernels = kernels.REFERENCE) -> nn.Module:
     """The quantized replacement of `linear` (whose weight is `weight`), for the kernels
-    `ops` (the C++ backend has an int4 product of its own)."""
+    `ops` (the C++ backend has int8 and int4 products of its own)."""
     weight = weight.detach()
     if mode == "int8":
-        return Int8Linear(weight)
+        return Int8Linear(weight, ops)
     if mode == "int4":
         # A GGUF's Q4_1 blocks are groups of 32 on a grid of their own: keep exactly those.
         grid = getattr(linear, "q4_1", None)

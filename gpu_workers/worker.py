@@ -27,7 +27,7 @@ from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.parallel import init_groups
 from gpu_workers.pipeline import describe_split, stage_layers
 from gpu_workers.quant import quantize_model
-from kernels.matmul_cpu import SMALL_M_ROWS
+from kernels import matmul_cpu
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
 from surge.config import ModelConfig, SpeculativeConfig, SurgeConfig
@@ -77,19 +77,19 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
     """Rank `rank` of the group (pipeline stage rank // T, tensor-parallel rank rank % T;
     cfg.model resolved by devices.resolve); the group's rendezvous file is new for each
     `generation` of workers."""
-    child_setup(f"worker {rank}", cfg)
+    child_setup(channels.name("worker", rank), cfg)
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
     results.connect(channels.results)
     ring = RingBuffer(channels.plan_ring, reader=rank)
     try:
-        runner, ready = _load(cfg, rank, channels.runtime_dir, generation)
+        runner, ready = _load(cfg, rank, channels.runtime_dir, generation, channels.replica)
         ready.generation = generation
         device = runner.device
         crash_token = _test_crash_token()
         ring.skip_to_end()
         results.send(encode(ready))
-        status.put((f"worker {rank}", ready.description))
+        status.put((channels.name("worker", rank), ready.description))
         decoder = msgspec.msgpack.Decoder(PlanMessage)
         idle_since = time.perf_counter()
         pending: tuple[Launched, float, float] | None = None  # launched, started, idle before
@@ -146,14 +146,16 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
-def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
+def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replica: int = 0
           ) -> tuple[ModelRunner, WorkerReady]:
-    device = place(cfg.model, rank)
+    device = place(cfg.model, rank, replica)
     files = resolve_model(cfg.model.model)
     splits = stage_layers(read_family(files)[0].num_layers, cfg.model.pipeline_parallel_size,
                           cfg.model.pipeline_layers)
+    # Each data-parallel replica's group meets at its own rendezvous file.
     tp, stage = init_groups(rank, cfg.model.tensor_parallel_size, splits, device,
-                            f"{runtime_dir}/tp-{generation}", cfg.model.enable_expert_parallel)
+                            f"{runtime_dir}/tp{replica or ''}-{generation}",
+                            cfg.model.enable_expert_parallel)
     dtype = pick_dtype(cfg.model, device)
     started = time.monotonic()
     quant = cfg.model.quantization
@@ -211,7 +213,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
-                   f"{f' (C++ products up to {SMALL_M_ROWS} rows)' if routed else ''}"
+                   f"{f' (C++ products up to {matmul_cpu.max_rows()} rows)' if routed else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "

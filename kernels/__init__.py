@@ -10,9 +10,11 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from kernels.activation import silu_mul
 from kernels.attention import (
     decode_attention,
     fixed_order_attention,
@@ -20,7 +22,7 @@ from kernels.attention import (
     prefill_attention,
     store_kv,
 )
-from kernels.matmul import int4_linear, linear
+from kernels.matmul import int4_linear, int8_linear, linear
 from kernels.moe import fused_moe
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
@@ -44,17 +46,21 @@ class Kernels:
     fused_moe: Callable
     linear: Callable
     int4_linear: Callable
+    int8_linear: Callable
+    silu_mul: Callable
+    # Rotary on queries and keys, then keys and values into the cache (see rotate_and_store).
+    rotate_and_store: Callable
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
 
 
 # kernel -> the module holding its reference; a backend's is the same name + "_triton" or
-# "_cpu". The C++ backend has no store_kv or rotary of its own yet: those are the reference's.
+# "_cpu". The C++ backend has no store_kv or rotary of its own: it fuses them instead.
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int4_linear": "matmul"}
+            "int4_linear": "matmul", "int8_linear": "matmul", "silu_mul": "activation"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -66,7 +72,20 @@ def backend(name: str, reason: str) -> Kernels:
                 return getattr(own, kernel)
         return getattr(importlib.import_module(f"kernels.{module}"), kernel)
 
-    return Kernels(name, reason, **{k: find(k, m) for k, m in _MODULES.items()})
+    found = {k: find(k, m) for k, m in _MODULES.items()}
+    fused = importlib.util.find_spec(f"kernels.rotary_{name}") and getattr(
+        importlib.import_module(f"kernels.rotary_{name}"), "rotate_and_store", None)
+    return Kernels(name, reason, **found, rotate_and_store=fused or partial(
+        rotate_and_store, found["apply_rotary_"], found["store_kv"]))
+
+
+def rotate_and_store(rotate: Callable, store: Callable, qk: torch.Tensor, v: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate qk [T, H + KVH, D] in place (queries, then keys), then store its keys and v into
+    the cache: a backend's own rotary and store, where it has no fused kernel."""
+    rotate(qk, cos, sin)
+    store(qk[:, qk.shape[1] - v.shape[1]:], v, k_cache, v_cache, slot_mapping)
 
 
 REFERENCE = backend("reference", "the default before a worker picks")
@@ -108,11 +127,13 @@ __all__ = [
     "for_device",
     "fused_moe",
     "int4_linear",
+    "int8_linear",
     "linear",
     "plan_decode",
     "prefill_attention",
     "rms_norm",
     "rotary_angles",
     "rotary_cache",
+    "silu_mul",
     "store_kv",
 ]

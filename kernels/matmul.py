@@ -1,4 +1,4 @@
-"""A linear layer's product x W^T, bias-free, on plain and on int4 weights (reference)."""
+"""A linear layer's product x W^T, bias-free, on plain, int8 and int4 weights (reference)."""
 
 import torch
 import torch.nn.functional as F
@@ -33,3 +33,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     w = (unpack_q4(packed).float() * scales.float().repeat_interleave(group, dim=1)
          + mins.float().repeat_interleave(group, dim=1))
     return F.linear(x.float(), w).to(x.dtype)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x W^T with W = q * scale per output row (q int8 [N, K], scales [N]), in float32."""
+    return F.linear(x.float(), q.float() * scales.float()[:, None]).to(x.dtype)

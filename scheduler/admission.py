@@ -6,18 +6,35 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
+from typing import Protocol
 
 import msgspec
 
 from scheduler.block_manager import BlockManager
 from scheduler.overload import Ladder, Step
-from scheduler.queue import WaitingQueue
 from scheduler.tenants import RateMeter, Tenant
 from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
 from surge.protocol import EngineRequest, RequestOutput
 
 # Retry-After when there is no measured rate to estimate it from yet.
 _DEFAULT_RETRY_S = 1.0
+
+
+class Queued(Protocol):
+    priority: int
+    arrival_time: float
+
+
+class Waiting(Protocol):
+    """What admission reads of a queue: a WaitingQueue, or the frontend's count of requests
+    not yet started on any replica (server/limits.py)."""
+
+    num_tokens: int  # prompt tokens waiting
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Queued]: ...
 
 
 class Admission:
@@ -53,12 +70,12 @@ class Admission:
             tenant.configure(self.limits(name), now)
         self.ladder.configure(overload, tenants)
 
-    def judge(self, queue: WaitingQueue, blocks: BlockManager, now: float) -> None:
+    def judge(self, queue: Waiting, blocks: BlockManager, now: float) -> None:
         """Let the ladder weigh the queue and the KV cache (see Ladder.judge)."""
         self.ladder.judge(now, self.drain_seconds(queue, now),
                           1 - blocks.num_free / blocks.num_blocks)
 
-    def drain_seconds(self, queue: WaitingQueue, now: float) -> float:
+    def drain_seconds(self, queue: Waiting, now: float) -> float:
         """How long the queue would take to drain at the measured rate. Without one, the
         oldest request's wait is what the queue is known to take."""
         drain = self.drained.rate(now)
@@ -79,7 +96,7 @@ class Admission:
             r.sampling, max_tokens=min(cap, r.sampling.max_tokens))) for r in reqs]
         return capped, f"max_tokens={cap}"
 
-    def check(self, reqs: list[EngineRequest], tenant: Tenant, queue: WaitingQueue,
+    def check(self, reqs: list[EngineRequest], tenant: Tenant, queue: Waiting,
               now: float, priority: int, timeout: float) -> RequestOutput | None:
         """A refusal naming the limit, or None (then the requests' cost is taken): reqs are
         one API request's, admitted as a unit. priority and timeout are the request's own or

@@ -8,20 +8,13 @@ cached, and are evicted least recently used first when a fresh block is needed.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Collection
 
 from scheduler.sequence import Sequence
+from surge.prefix_hash import block_hash
 
-
-def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    """A collision-resistant name: Python's hash() of int tuples can be steered by a crafted
-    prompt, which would let one client's blocks stand in for another's prefix."""
-    digest = hashlib.blake2b(parent or b"", digest_size=16)
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
+__all__ = ["BlockManager", "block_hash"]
 
 
 class BlockManager:
@@ -42,6 +35,12 @@ class BlockManager:
         self.by_hash: dict[bytes, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # For the data-parallel router (PrefixReport): names of blocks within the first
+        # report_depth of their chain, and those gained and lost since the last report.
+        self.report_depth = 0
+        self.shallow: set[bytes] = set()
+        self.gained: set[bytes] = set()
+        self.lost: set[bytes] = set()
 
     @property
     def num_free(self) -> int:
@@ -95,6 +94,23 @@ class BlockManager:
             if h not in self.by_hash and block not in self.name_of:
                 self.by_hash[h] = block
                 self.name_of[block] = (h, tokens)
+                if i < self.report_depth:
+                    self.shallow.add(h)
+                    self.gained.add(h)
+                    self.lost.discard(h)
+
+    def _unname(self, h: bytes) -> None:
+        if h in self.shallow:
+            self.shallow.remove(h)
+            self.lost.add(h)
+            self.gained.discard(h)
+
+    def report(self) -> tuple[list[bytes], list[bytes]]:
+        """Names gained and lost near the head of a chain since the last call."""
+        gained, lost = list(self.gained), list(self.lost)
+        self.gained.clear()
+        self.lost.clear()
+        return gained, lost
 
     def forget_contents(self) -> None:
         """The KV cache was lost (a new worker): no block holds anything reusable now."""
@@ -103,6 +119,8 @@ class BlockManager:
         self.evictable.clear()
         self.name_of.clear()
         self.by_hash.clear()
+        for h in list(self.shallow):
+            self._unname(h)
 
     # ---- allocation ----
 
@@ -118,6 +136,7 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             h, _ = self.name_of.pop(block)
             del self.by_hash[h]
+            self._unname(h)
         self.ref_count[block] = 1
         return block
 

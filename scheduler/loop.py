@@ -28,7 +28,8 @@ from surge.protocol import (
     EngineReady,
     EngineRequests,
     FrontendMessage,
-    OverloadSettings,
+    LiveSettings,
+    PrefixReport,
     RequestOutput,
     StepPlan,
     StepResult,
@@ -58,6 +59,8 @@ class SchedulerLoop:
         """status: the supervisor's queue, told of health changes (for systemd)."""
         self.cfg = cfg
         self.status = status
+        self.channels = channels
+        self.replica = channels.replica  # of the data-parallel engines (0: the only one)
         self.zmq = zmq.Context()
         self.requests = self.zmq.socket(zmq.PULL)
         self.requests.bind(channels.requests)
@@ -77,7 +80,7 @@ class SchedulerLoop:
         self.scheduler: Scheduler | None = None
         self.kernels = ""  # the workers' kernel backend (WorkerReady.kernels), for admin get
         self.stats = StatsCollector(served_name(cfg.model.served_model_name, cfg.model.model),
-                                    cfg.autoscale)
+                                    cfg.autoscale, self.replica)
         self._stats_sent = 0.0
         self._early: deque[Any] = deque()  # worker messages read while writing a plan
         self._stalled = False  # work is queued but nothing could be planned
@@ -136,15 +139,16 @@ class SchedulerLoop:
             log.error("engine unhealthy: %s", problem)
         else:
             log.info("engine healthy again: a restarted worker serves")
-        self.outputs.send(encode(EngineHealth(problem)))
-        self.status.put(("health", problem))
+        self.outputs.send(encode(EngineHealth(problem, self.replica)))
+        self.status.put((self.channels.name("health"), problem))
 
     def _recover(self, reason: WorkerLost, crashed: list[StepPlan]) -> None:
         """End the requests that crashed a worker twice (see Quarantine), wait for the
         replacement workers (a whole tensor-parallel group), then recompute every other
         request from its tokens: their clients see a pause, not an error."""
         assert self.scheduler is not None
-        self.outputs.send(encode(EngineFault(str(reason))))  # the circuit breaker counts it
+        # The circuit breaker counts it; the router spares this replica until it is back.
+        self.outputs.send(encode(EngineFault(str(reason), self.replica)))
         if poisoned := self.scheduler.crashed(crashed):
             self.outputs.send(encode(EngineOutputs(poisoned)))
         log.warning("%s; waiting for new workers, then recomputing %d requests", reason,
@@ -177,8 +181,9 @@ class SchedulerLoop:
                                    speculative=self.cfg.speculative,
                                    overload=self.cfg.overload, window=readies[0].window,
                                    stages=self.cfg.model.pipeline_parallel_size)
+        self._report_depth()
         ready = EngineReady(num_blocks=num_blocks, block_size=self.cfg.scheduler.block_size,
-                            description=readies[0].description)
+                            description=readies[0].description, replica=self.replica)
         self.outputs.send(encode(ready))
         return ready
 
@@ -286,11 +291,18 @@ class SchedulerLoop:
                                   {"kernel_backend": self.kernels})
         if new is not self.cfg:
             log.info("live parameters changed: %s", request.values)
-            if new.overload != self.cfg.overload:
-                self.outputs.send(encode(OverloadSettings(new.overload)))
+            if _frontend_settings(new) != _frontend_settings(self.cfg):
+                self.outputs.send(encode(LiveSettings(**_frontend_settings(new))))
             self.cfg = new
             self.scheduler.configure(new.scheduler, new.tenants, new.speculative, new.overload)
+            self._report_depth()
         self.admin.send(encode(reply))
+
+    def _report_depth(self) -> None:
+        """With several replicas, the prefix cache tracks what the router wants to know."""
+        assert self.scheduler is not None
+        if self.channels.replicas > 1:
+            self.scheduler.blocks.report_depth = self.cfg.routing.route_prefix_blocks
 
     def _gather_batch(self) -> None:
         """With batch_wait_ms, an idle engine waits a moment after the first arrival so that
@@ -315,6 +327,9 @@ class SchedulerLoop:
         assert self.scheduler is not None
         snapshot = self.stats.snapshot(self.scheduler)
         self.stats.export(snapshot, self.scheduler, self.cfg)
+        gained, lost = self.scheduler.blocks.report()
+        if gained or lost:
+            self.outputs.send(encode(PrefixReport(self.replica, gained, lost)))
         self.outputs.send(encode(snapshot))
 
     def fail_all(self, reason: str) -> None:
@@ -336,6 +351,12 @@ class SchedulerLoop:
         self.zmq.destroy(linger=200)
 
 
+def _frontend_settings(cfg: SurgeConfig) -> dict[str, Any]:
+    """The live sections the frontend applies as well (see LiveSettings)."""
+    return {"overload": cfg.overload, "routing": cfg.routing, "pools": cfg.pools,
+            "tenants": cfg.tenants, "scheduler": cfg.scheduler}
+
+
 def capacity_report(num_blocks: int, block_size: int) -> str:
     fits = ", ".join(f"{num_blocks // -(-n // block_size)} of {n}" for n in (512, 2048, 8192))
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = "
@@ -343,11 +364,12 @@ def capacity_report(num_blocks: int, block_size: int) -> str:
 
 
 def run_scheduler(cfg: SurgeConfig, channels: Channels, num_workers: int, status: Any) -> None:
-    child_setup("scheduler", cfg)
+    child_setup(channels.name("scheduler"), cfg)
     loop = SchedulerLoop(cfg, channels, num_workers, status)
     try:
         ready = loop.wait_for_workers()
-        status.put(("scheduler", capacity_report(ready.num_blocks, ready.block_size)))
+        status.put((channels.name("scheduler"),
+                    capacity_report(ready.num_blocks, ready.block_size)))
         loop.run()
     except WorkerError as e:
         log.error("%s", e)

@@ -28,18 +28,22 @@ _LIMITS = ("max_concurrent", "max_queued", "max_queued_requests", "max_queued_to
 
 
 class StatsCollector:
-    def __init__(self, model_name: str, autoscale: AutoscaleConfig | None = None) -> None:
+    def __init__(self, model_name: str, autoscale: AutoscaleConfig | None = None,
+                 replica: int = 0) -> None:
         self.model = model_name
+        self.replica = replica
+        engine = (model_name, str(replica))  # the labels of this engine's own series
         self.signals = Signals(autoscale or AutoscaleConfig(), time.time())
         # Created now, so every series reads 0 from the start rather than "No data".
         self.counters: list[tuple[str, Counter]] = [
-            *((name, counter.labels(model_name)) for name, counter in _MODEL_COUNTERS),
+            *((name, counter.labels(*engine)) for name, counter in _MODEL_COUNTERS),
             *_COUNTERS]
-        self.running = metrics.running.labels(model_name)
-        self.kv_used = metrics.kv_blocks_used.labels(model_name)
-        self.kv_total = metrics.kv_blocks_total.labels(model_name)
-        self.kv_usage = metrics.kv_usage.labels(model_name)
-        self.queue_wait = metrics.queue_wait.labels(model_name)
+        self.running = metrics.running.labels(*engine)
+        self.kv_used = metrics.kv_blocks_used.labels(*engine)
+        self.kv_total = metrics.kv_blocks_total.labels(*engine)
+        self.kv_usage = metrics.kv_usage.labels(*engine)
+        self.queue_wait = metrics.queue_wait.labels(*engine)
+        self.queued_tokens = metrics.queued_tokens.labels(str(replica))
         self.steps = 0
         self.scheduled_tokens = 0
         self.generated_tokens = 0
@@ -90,13 +94,14 @@ class StatsCollector:
             breaker=self.breaker.state, breaker_rejected=self.breaker.rejected,
             queue_drain_s=sched.admission.drain_seconds(sched.waiting, now),
             arrival_rate=signals.arrival_rate, capacity_tokens_s=signals.capacity_tokens_s,
-            capacity_requests_s=signals.capacity_requests_s, forecast=signals.predictions())
+            capacity_requests_s=signals.capacity_requests_s, forecast=signals.predictions(),
+            replica=self.replica)
 
     def export(self, stats: EngineStats, sched: Scheduler, cfg: SurgeConfig) -> None:
         """Set the Prometheus metrics: the engine-wide ones from the snapshot, the labelled
         ones from the scheduler and cfg in the same pass."""
         self.running.set(stats.running)
-        metrics.queued_tokens.set(stats.queued_tokens)
+        self.queued_tokens.set(stats.queued_tokens)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
         self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
@@ -140,7 +145,7 @@ class StatsCollector:
             key = (_priority_label(seq.priority), seq.tenant.name)
             queued[key] = queued.get(key, 0) + 1
         for (priority, tenant), count in queued.items():
-            metrics.waiting.labels(self.model, priority, tenant).set(count)
+            metrics.waiting.labels(self.model, priority, tenant, str(self.replica)).set(count)
         self._queues_seen |= set(queued)
 
     def _export_tenants(self, sched: Scheduler) -> None:

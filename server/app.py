@@ -34,6 +34,7 @@ from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
 from surge.config import ServerConfig
 from surge.keys import Keys
+from surge.replica_stats import total
 
 log = logging.getLogger("surge.frontend")
 _json = msgspec.json.Encoder()
@@ -247,8 +248,10 @@ class Frontend:
 
     async def stats(self, request: web.Request) -> web.Response:
         """The scheduler's latest running totals (sent about once a second while it works)."""
-        stats = self.engine.stats
-        out = {} if stats is None else msgspec.to_builtins(stats)
+        known = [msgspec.to_builtins(s) for s in self.engine.replica_stats if s is not None]
+        # With several replicas: their sum, and each one's under "replicas".
+        out = {} if not known else known[0] if len(self.engine.replica_stats) == 1 else \
+            total(known)
         if self.batch_stats is not None:
             out["batches"] = self.batch_stats()
         return self._json(out)
@@ -265,6 +268,8 @@ class Frontend:
         if problem := "; ".join(filter(None, (self.engine.breaker.problem,
                                                self.engine.problem))):
             return web.json_response({"status": "unhealthy", "reason": problem}, status=503)
+        if degraded := self.engine.degraded:  # other replicas serve
+            return web.json_response({"status": "degraded", "reason": degraded})
         return web.json_response({"status": "ok"})
 
     # ---- response helpers ----

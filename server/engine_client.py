@@ -11,7 +11,8 @@ import zmq
 import zmq.asyncio
 
 from server.breaker import Breaker
-from surge.config import OverloadConfig
+from server.fleet import Fleet, each
+from surge.config import SurgeConfig
 from surge.protocol import (
     AbortRequest,
     BreakerState,
@@ -22,7 +23,8 @@ from surge.protocol import (
     EngineRequest,
     EngineRequests,
     EngineStats,
-    OverloadSettings,
+    LiveSettings,
+    PrefixReport,
     RequestOutput,
     SchedulerMessage,
     encode,
@@ -33,17 +35,25 @@ log = logging.getLogger("surge.frontend")
 
 
 class EngineClient:
-    def __init__(self, channels: Channels, overload: OverloadConfig) -> None:
+    def __init__(self, channels: Channels, cfg: SurgeConfig) -> None:
+        """channels: the base set (outputs); each data-parallel replica's are derived."""
         self.ctx = zmq.asyncio.Context()
-        self.requests = self.ctx.socket(zmq.PUSH)
-        self.requests.connect(channels.requests)
+        self.requests: list[zmq.asyncio.Socket] = []  # one per replica
+        for replica in range(channels.replicas):
+            self.requests.append(self.ctx.socket(zmq.PUSH))
+            self.requests[-1].connect(channels.for_replica(replica, channels.replicas).requests)
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.bind(channels.outputs)
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
-        self.stats: EngineStats | None = None
-        self.problem: str | None = None  # why the engine is unhealthy (see EngineHealth)
-        self.breaker = Breaker(overload, on_change=self._report_breaker)
+        self._readies: dict[int, EngineReady] = {}
+        self.replica_stats: list[EngineStats | None] = [None] * channels.replicas
+        # Why each replica is unhealthy (see EngineHealth); None: it serves.
+        self.problems: list[str | None] = [None] * channels.replicas
+        # With several replicas: routing, and the limits that span them (one replica's
+        # scheduler applies them itself).
+        self.fleet = Fleet(cfg, time.time()) if channels.replicas > 1 else None
+        self.breaker = Breaker(cfg.overload, on_change=self._report_breaker)
         self._breaker_sent = ("closed", 0.0)  # the state the scheduler was last told, and when
         self._breaker_flush = False  # a later report is scheduled
         self._reader = asyncio.create_task(self._read_outputs())
@@ -52,33 +62,69 @@ class EngineClient:
         decoder = msgspec.msgpack.Decoder(SchedulerMessage)
         while True:
             msg = decoder.decode(await self.outputs.recv())
-            if isinstance(msg, EngineReady):
-                self.ready.set_result(msg)
-                continue
-            if isinstance(msg, EngineStats):
-                self.stats = msg
-                continue
-            if isinstance(msg, EngineHealth):
-                self.problem = msg.problem
-                continue
-            if isinstance(msg, EngineFault):
-                self.breaker.failure(msg.reason)
-                continue
-            if isinstance(msg, OverloadSettings):
-                self.breaker.configure(msg.cfg)
-                continue
-            assert isinstance(msg, EngineOutputs)
-            for out in msg.outputs:
-                stream = self.streams.get(out.request_id)
-                if stream is not None:
-                    stream.put_nowait(out)
-                    if out.finish_reason is not None:
-                        del self.streams[out.request_id]
+            if isinstance(msg, EngineOutputs):
+                self._deliver(msg.outputs)
+            else:
+                self._note(msg)
 
-    def _send(self, data: bytes) -> None:
+    def _note(self, msg: object) -> None:
+        """A message about a replica rather than about requests."""
+        fleet = self.fleet
+        if isinstance(msg, EngineReady):
+            self._readies[msg.replica] = msg
+            if len(self._readies) == len(self.requests):
+                # The smallest KV cache bounds what a request may ask of any replica.
+                self.ready.set_result(min(self._readies.values(), key=lambda r: r.num_blocks))
+        elif isinstance(msg, EngineStats):
+            self.replica_stats[msg.replica] = msg
+            if fleet is not None:
+                fleet.router.back(msg.replica)  # stats after a fault: its workers are back
+        elif isinstance(msg, EngineHealth):
+            self.problems[msg.replica] = msg.problem
+        elif isinstance(msg, EngineFault):
+            self.breaker.failure(msg.reason)
+            if fleet is not None:
+                fleet.router.fault(msg.replica)
+        elif isinstance(msg, LiveSettings):
+            self.breaker.configure(msg.overload)
+            if fleet is not None:
+                fleet.configure(msg, time.time())
+        elif isinstance(msg, PrefixReport) and fleet is not None:
+            fleet.router.report(msg.replica, msg.gained, msg.lost)
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The only replica's latest stats (with several, see replica_stats)."""
+        return self.replica_stats[0]
+
+    @property
+    def problem(self) -> str | None:
+        """Why the engine cannot serve: its only replica, or every one of several, is
+        unhealthy."""
+        return "; ".join(p for p in self.problems if p) if all(self.problems) else None
+
+    @property
+    def degraded(self) -> str | None:
+        """Which replicas are unhealthy while others serve."""
+        if self.problem:
+            return None
+        return "; ".join(f"replica {i}: {p}" for i, p in enumerate(self.problems) if p) or None
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            if self.fleet is not None:
+                self.fleet.output(out, now)
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+                if out.finish_reason is not None:
+                    del self.streams[out.request_id]
+
+    def _send(self, data: bytes, replica: int = 0) -> None:
         # Queued by ZeroMQ when the scheduler is slow to take it; a send that fails later
         # (only while shutting down) is logged here rather than lost in an unread future.
-        sent = self.requests.send(data)
+        sent = self.requests[replica].send(data)
         sent.add_done_callback(_report_send_failure)
 
     def submit(self, requests: list[EngineRequest]) -> list[asyncio.Queue[RequestOutput]]:
@@ -89,7 +135,11 @@ class EngineClient:
         for request in requests:
             streams.append(asyncio.Queue())
             self.streams[request.request_id] = streams[-1]
-        self._send(data)
+        replica = 0 if self.fleet is None else self.fleet.place(requests, time.time())
+        if isinstance(replica, RequestOutput):  # refused here, as a scheduler would
+            self._deliver(each(replica, requests))
+        else:
+            self._send(data, replica)
         return streams
 
     def _report_breaker(self) -> None:
@@ -103,7 +153,8 @@ class EngineClient:
                 asyncio.get_running_loop().call_later(wait, self._flush_breaker)
             return
         self._breaker_sent = (state, now)
-        self._send(encode(BreakerState(state, self.breaker.rejected)))
+        for replica in range(len(self.requests)):
+            self._send(encode(BreakerState(state, self.breaker.rejected)), replica)
 
     def _flush_breaker(self) -> None:
         self._breaker_flush = False
@@ -112,8 +163,18 @@ class EngineClient:
     def abort(self, *request_ids: str) -> None:
         """Abort those of request_ids still running, in one message."""
         running = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
-        if running:
-            self._send(encode(AbortRequest(running)))
+        if self.fleet is None:
+            if running:
+                self._send(encode(AbortRequest(running)))
+            return
+        by_replica: dict[int, list[str]] = {}
+        for rid in running:
+            replica = self.fleet.router.replica_of(rid)
+            if replica is not None:  # else refused here: never sent
+                by_replica.setdefault(replica, []).append(rid)
+                self.fleet.ended(rid, time.time())  # its place is free at once
+        for replica, ids in by_replica.items():
+            self._send(encode(AbortRequest(ids)), replica)
 
     def fail_all(self, reason: str) -> None:
         """End every request this frontend is waiting on with an error, and abort it."""

@@ -41,7 +41,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     files = resolve_model(cfg.model.model)
     tokenizer = Tokenizer(tokenizer_files(cfg.model.model, cfg.model.tokenizer))
     write_tokenizer(tokenizer.hf, tokenizer.eos_token_ids, channels.runtime_dir)
-    engine = EngineClient(channels, cfg.overload)
+    engine = EngineClient(channels, cfg)
     # From the supervisor: the scheduler is gone, so no request in flight can finish.
     loop.add_signal_handler(signal.SIGUSR1, engine.fail_all,
                             "the scheduler stopped unexpectedly; retry the request")

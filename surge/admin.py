@@ -17,7 +17,8 @@ from surge.config import TABLES
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
-from surge.runtime import find_server, recorded, supervisor_pid
+from surge.replica_stats import total
+from surge.runtime import admin_addresses, find_server, recorded, supervisor_pid
 
 _TIMEOUT_MS = 10_000
 
@@ -35,6 +36,23 @@ def ask(address: str, command: str, values: dict[str, str] | None = None) -> Adm
         return msgspec.msgpack.decode(sock.recv(), type=AdminReply)
     finally:
         ctx.destroy(linger=0)
+
+
+def ask_all(addresses: list[str], command: str,
+            values: dict[str, str] | None = None) -> AdminReply:
+    """ask() every data-parallel replica's scheduler: a set goes to replica 0 first (which
+    checks it for all, as they share one configuration), then to the others; stats are
+    summed, with each replica's under "replicas"."""
+    first = ask(addresses[0], command, values)
+    if len(addresses) == 1 or not first.ok or command == "get":
+        return first
+    replies = [first, *(ask(a, command, values) for a in addresses[1:])]
+    if failed := next((i for i, r in enumerate(replies) if not r.ok), None):
+        return AdminReply(False, f"replica {failed}: {replies[failed].message} (replicas "
+                                 f"before it applied the change)", replies[failed].values)
+    if command == "stats":
+        return AdminReply(True, first.message, total([r.values for r in replies]))
+    return first
 
 
 def _pairs(values: list[str]) -> dict[str, str]:
@@ -98,13 +116,16 @@ def histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.path.join(runtime_dir, "metrics"))
-    out: dict[str, list[tuple[float, float]]] = {}
+    out: dict[str, dict[float, float]] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and set(sample.labels) <= {"le", "model_name"}:
-                out.setdefault(family.name, []).append((float(sample.labels["le"]),
-                                                        sample.value))
-    return out
+            if sample.name.endswith("_bucket") and \
+                    set(sample.labels) <= {"le", "model_name", "replica"}:
+                # Summed over replicas: one bucket per bound.
+                bounds = out.setdefault(family.name, {})
+                le = float(sample.labels["le"])
+                bounds[le] = bounds.get(le, 0.0) + sample.value
+    return {name: list(bounds.items()) for name, bounds in out.items()}
 
 
 def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -125,10 +146,10 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 def _summary(runtime_dir: str) -> str:
     """One screen: load, throughput, KV cache, prefix hits, latency percentiles."""
-    address = f"ipc://{runtime_dir}/admin"
-    first = ask(address, "stats")
+    addresses = admin_addresses(runtime_dir)
+    first = ask_all(addresses, "stats")
     time.sleep(1.0)
-    second = ask(address, "stats")
+    second = ask_all(addresses, "stats")
     if not (first.ok and second.ok):
         return second.message
     a, b = first.values, second.values
@@ -154,15 +175,23 @@ def _summary(runtime_dir: str) -> str:
         f"inter-token  {pcts('surge_inter_token_latency_seconds')}",
         f"request      {pcts('surge_request_latency_seconds')}",
         f"queue wait   {pcts('surge_queue_wait_seconds')}",
+        *(_replica_line(r) for r in b.get("replicas", [])),
         f"overload     breaker {b['breaker']} ({b['breaker_rejected']} refused)   degradation "
         f"level {b['overload_level']}{' (congested)' if b['congested'] else ''}   "
         f"{b['degraded_requests']} requests degraded",
     ])
 
 
+def _replica_line(r: dict) -> str:
+    hits = r["prefix_hit_tokens"] / r["prefix_queried_tokens"] if r["prefix_queried_tokens"] \
+        else 0.0
+    return (f"replica {r['replica']:<3}  {r['running']} running, {r['waiting']} waiting, KV "
+            f"{r['kv_blocks_used']} / {r['kv_blocks_total']} blocks, prefix hit rate {hits:.1%}")
+
+
 def _capacity(runtime_dir: str, as_json: bool) -> tuple[bool, str]:
     """What an autoscaler sees: load, the capacity served lately and the arrival forecast."""
-    reply = ask(f"ipc://{runtime_dir}/admin", "stats")
+    reply = ask_all(admin_addresses(runtime_dir), "stats")
     if not reply.ok:
         return False, reply.message
     v = reply.values
@@ -187,7 +216,7 @@ def _table(values: dict[str, object]) -> str:
     """NAME VALUE SECTION, aligned."""
     rows = [("NAME", "VALUE", "SECTION")] + [
         (name, str(v).lower() if isinstance(v, bool) else str(v),
-         "tenants" if name.startswith("tenants.") else section_of(name))
+         table if (table := name.partition(".")[0]) in TABLES else section_of(name))
         for name, v in values.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows)
@@ -286,7 +315,7 @@ def run_admin(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"surge admin: {e}", file=sys.stderr)
             return 2
-    reply = ask(f"ipc://{runtime_dir}/admin", args.action, values)
+    reply = ask_all(admin_addresses(runtime_dir), args.action, values)
     if args.json:
         print(json.dumps({"ok": reply.ok, "message": reply.message, "values": reply.values},
                          indent=2))

@@ -9,8 +9,8 @@ from typing import Any
 
 from msgspec import Struct
 
-from surge.admin import ask, histograms, quantile
-from surge.runtime import recorded
+from surge.admin import ask_all, histograms, quantile
+from surge.runtime import admin_addresses, recorded
 
 _WINDOW_S = 60.0
 _LATENCIES = (("TTFT", "surge_time_to_first_token_seconds"),
@@ -83,7 +83,7 @@ def run_top(runtime_dir: str, iterations: int | None) -> int:
     shown = 0
     try:
         while True:
-            reply = ask(f"ipc://{runtime_dir}/admin", "stats")
+            reply = ask_all(admin_addresses(runtime_dir), "stats")
             if not reply.ok:
                 print(f"surge admin: {reply.message}", file=sys.stderr)
                 return 1

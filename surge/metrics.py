@@ -22,6 +22,9 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Series about the served model carry its name, as vLLM's do, so dashboards built for vLLM
 # can select by model_name.
 MODEL = ["model_name"]
+# A scheduler's series about its own engine also name its data-parallel replica ("0" with
+# one), so each replica shows; vLLM's names sum them.
+ENGINE = ["model_name", "replica"]
 # Why a request (each choice of it) ended: the engine's stop / length, a client that left or
 # cancelled (abort), or an error after it was accepted.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -72,26 +75,27 @@ webhook_deliveries = Counter("surge_webhook_deliveries", "webhook delivery attem
 
 # scheduler
 generated_tokens = Counter("surge_generated_tokens", "tokens generated, for every request "
-                           "(cancelled ones too)", MODEL)
-queue_wait = Histogram("surge_queue_wait_seconds", "arrival to first scheduled step", MODEL,
+                           "(cancelled ones too)", ENGINE)
+queue_wait = Histogram("surge_queue_wait_seconds", "arrival to first scheduled step", ENGINE,
                        buckets=LATENCY_BUCKETS)
-running = Gauge("surge_running_requests", "requests in the running batch", MODEL,
+running = Gauge("surge_running_requests", "requests in the running batch", ENGINE,
                 multiprocess_mode="livemax")
 waiting = Gauge("surge_waiting_requests", "queued requests by priority and tenant",
-                ["model_name", "priority", "tenant"], multiprocess_mode="livemax")
+                ["model_name", "priority", "tenant", "replica"], multiprocess_mode="livemax")
 batch_size = Histogram("surge_batch_size", "sequences per step", buckets=SIZE_BUCKETS)
 step_tokens = Histogram("surge_step_tokens", "tokens per step", buckets=SIZE_BUCKETS)
-kv_blocks_used = Gauge("surge_kv_cache_blocks_used", "KV blocks held by requests", MODEL,
+kv_blocks_used = Gauge("surge_kv_cache_blocks_used", "KV blocks held by requests", ENGINE,
                        multiprocess_mode="livemax")
-kv_blocks_total = Gauge("surge_kv_cache_blocks", "KV blocks in the cache", MODEL,
+kv_blocks_total = Gauge("surge_kv_cache_blocks", "KV blocks in the cache", ENGINE,
                         multiprocess_mode="livemax")
 kv_usage = Gauge("surge_kv_cache_usage_ratio", "share of the KV blocks held by requests "
-                 "(0 to 1)", MODEL, multiprocess_mode="livemax")
-prefix_queries = Counter("surge_prefix_cache_queried_tokens", "prompt tokens looked up", MODEL)
-prefix_hits = Counter("surge_prefix_cache_hit_tokens", "prompt tokens found in the cache", MODEL)
-preemptions = Counter("surge_preemptions", "sequences preempted for recompute", MODEL)
+                 "(0 to 1)", ENGINE, multiprocess_mode="livemax")
+prefix_queries = Counter("surge_prefix_cache_queried_tokens", "prompt tokens looked up", ENGINE)
+prefix_hits = Counter("surge_prefix_cache_hit_tokens", "prompt tokens found in the cache",
+                      ENGINE)
+preemptions = Counter("surge_preemptions", "sequences preempted for recompute", ENGINE)
 queued_tokens = Gauge("surge_queued_prompt_tokens", "prompt tokens of queued requests",
-                      multiprocess_mode="livemax")
+                      ["replica"], multiprocess_mode="livemax")
 rejected = Counter("surge_rejected_requests", "requests refused at arrival or ended in the "
                    "queue, by tenant and the limit that said no", ["tenant", "limit"])
 tenant_running = Gauge("surge_tenant_running_requests", "requests in the batch by tenant",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
-from surge.config import OverloadConfig
+from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
+from surge.config_frontend import PoolConfig, RoutingConfig
 
 # ---- frontend -> scheduler (ZeroMQ) ----
 
@@ -137,6 +138,7 @@ class EngineStats(Struct, tag=True, kw_only=True):
     capacity_tokens_s: float = 0.0
     capacity_requests_s: float = 0.0
     forecast: dict[str, float] = {}
+    replica: int = 0  # the data-parallel replica these figures are of
 
 
 class EngineHealth(Struct, tag=True):
@@ -144,18 +146,35 @@ class EngineHealth(Struct, tag=True):
     step) and when it serves again (problem None)."""
 
     problem: str | None
+    replica: int = 0
 
 
 class EngineFault(Struct, tag=True):
-    """A worker died (or a step failed): the frontend's circuit breaker counts these."""
+    """A worker died (or a step failed): the frontend's circuit breaker counts these, and
+    its router keeps new requests off the replica until it reports stats again."""
 
     reason: str
+    replica: int = 0
 
 
-class OverloadSettings(Struct, tag=True):
-    """The [overload] section, sent to the frontend when `surge admin set` changes it."""
+class LiveSettings(Struct, tag=True, kw_only=True):
+    """The live parameters the frontend applies too (its breaker, router and global limits),
+    sent when `surge admin set` changes any of them."""
 
-    cfg: OverloadConfig
+    overload: OverloadConfig
+    routing: RoutingConfig
+    pools: dict[str, PoolConfig]
+    tenants: dict[str, TenantConfig]
+    scheduler: SchedulerConfig
+
+
+class PrefixReport(Struct, tag=True):
+    """Prefix-cache names a replica gained and lost among the first route_prefix_blocks
+    blocks of a chain since its last report (data parallelism only: the router's view)."""
+
+    replica: int
+    gained: list[bytes]
+    lost: list[bytes]
 
 
 class EngineReady(Struct, tag=True, kw_only=True):
@@ -164,6 +183,7 @@ class EngineReady(Struct, tag=True, kw_only=True):
     num_blocks: int
     block_size: int
     description: str
+    replica: int = 0
 
 
 # ---- scheduler -> workers (shared-memory ring, broadcast) ----
@@ -267,7 +287,7 @@ class AdminReply(Struct, tag=True):
 
 FrontendMessage = EngineRequests | AbortRequest | BreakerState
 SchedulerMessage = (EngineOutputs | EngineReady | EngineStats | EngineHealth | EngineFault
-                    | OverloadSettings)
+                    | LiveSettings | PrefixReport)
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 PlanMessage = StepPlan | Shutdown
 

@@ -14,6 +14,7 @@ import shutil
 import stat
 import tempfile
 
+import msgspec
 from msgspec import Struct
 
 from shm.ring import SHM_DIR
@@ -44,6 +45,10 @@ class Channels(Struct, frozen=True):
     results: str  # workers -> scheduler (ZeroMQ)
     plan_ring: str  # scheduler -> workers (shared-memory ring name)
     admin: str  # surge admin -> scheduler (ZeroMQ request/reply; the dir is 0700)
+    # Data parallelism: which engine replica these requests/results/admin/plan_ring are of,
+    # and how many there are (outputs is one socket that every scheduler sends to).
+    replica: int = 0
+    replicas: int = 1
 
     @classmethod
     def create(cls) -> Channels:
@@ -63,6 +68,23 @@ class Channels(Struct, frozen=True):
             admin=f"ipc://{runtime_dir}/admin",
         )
 
+    def for_replica(self, replica: int, replicas: int) -> Channels:
+        """Replica's own channels; replica 0 keeps the plain names (as with one engine)."""
+        tail = f"-{replica}" if replica else ""
+        return msgspec.structs.replace(
+            self, requests=f"ipc://{self.runtime_dir}/requests{tail}",
+            results=f"ipc://{self.runtime_dir}/results{tail}",
+            admin=f"ipc://{self.runtime_dir}/admin{tail}",
+            plan_ring=self.plan_ring.split("-plan")[0] + f"-plan{replica or ''}",
+            replica=replica, replicas=replicas)
+
+    def name(self, kind: str, rank: int | None = None) -> str:
+        """A process's name: "scheduler", "worker 0" with one replica; "scheduler 1",
+        "worker 1.0" (replica.rank) with several."""
+        if self.replicas == 1:
+            return kind if rank is None else f"{kind} {rank}"
+        return f"{kind} {self.replica}" if rank is None else f"{kind} {self.replica}.{rank}"
+
     def describe(self, host: str, port: int, config: str | None,
                  api_keys_file: str | None = None) -> None:
         _record(self.runtime_dir, "port", str(port))
@@ -72,6 +94,7 @@ class Channels(Struct, frozen=True):
             _record(self.runtime_dir, "config", os.path.abspath(config))
         if api_keys_file:
             _record(self.runtime_dir, "api_keys_file", os.path.abspath(api_keys_file))
+        _record(self.runtime_dir, "replicas", str(self.replicas))
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -115,6 +138,13 @@ def recorded(runtime_dir: str, name: str) -> str | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
             raise Untrusted(f"not trusting {path}: not a regular file of uid {owner}")
         return f.read()
+
+
+def admin_addresses(runtime_dir: str) -> list[str]:
+    """Every replica's admin socket, replica 0 first."""
+    text = recorded(runtime_dir, "replicas") or "1"
+    count = int(text) if text.isdigit() else 1
+    return [f"ipc://{runtime_dir}/admin{f'-{i}' if i else ''}" for i in range(max(count, 1))]
 
 
 def _pid(runtime_dir: str) -> int:

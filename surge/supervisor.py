@@ -30,16 +30,30 @@ _STOP_TIMEOUT_S = 10.0
 _RESTART_WINDOW_S = 60.0
 
 
+class _Replica:
+    """One data-parallel engine: its channels, plan ring, worker generation and restarts."""
+
+    def __init__(self, channels: Channels, context: zmq.Context) -> None:
+        self.channels = channels
+        self.ring: RingBuffer | None = None
+        self.generation = 0  # of workers: a group is replaced as a whole
+        self.restarts: list[float] = []
+        self.problem: str | None = None  # unhealthy (its scheduler says why)
+        # To speak for a worker that died without a word (see _tell_scheduler).
+        self.results = context.socket(zmq.PUSH)
+        self.results.connect(channels.results)
+
+
 class Supervisor:
     def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
         """cfg.model has its devices resolved (gpu_workers.devices.resolve)."""
         self.cfg = cfg
-        self.num_workers = cfg.model.group_size
-        self.generation = 0  # of workers: a tensor-parallel group is replaced as a whole
+        self.num_workers = cfg.model.group_size  # of one replica: P stages x T ranks
         self.flags = flags or {}  # to rebuild the config on reload
         self.reload_requested = False
         self.ctx = mp.get_context("spawn")
-        self.channels = Channels.create()
+        num_replicas = cfg.model.data_parallel_size
+        self.channels = msgspec.structs.replace(Channels.create(), replicas=num_replicas)
         # Every child inherits this and writes its metrics there (see surge/metrics.py).
         metrics_dir = os.path.join(self.channels.runtime_dir, "metrics")
         os.makedirs(metrics_dir)
@@ -51,16 +65,19 @@ class Supervisor:
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []
         self.stopping = False
-        self.ring: RingBuffer | None = None
-        self.restarts: list[float] = []
-        self.problem: str | None = None  # the engine is unhealthy (the scheduler says why)
-        # To speak for a worker that died without a word (see _tell_scheduler).
         self.zmq = zmq.Context()
-        self.results = self.zmq.socket(zmq.PUSH)
-        self.results.connect(self.channels.results)
+        self.replicas = [_Replica(self.channels.for_replica(i, num_replicas), self.zmq)
+                         for i in range(num_replicas)]
+        self.replica_of: dict[str, _Replica] = {}  # by process name (workers, schedulers)
 
-    def _start(self, name: str, target: Any, *args: Any) -> None:
-        proc = self.ctx.Process(target=target, name=name, args=(self.cfg, self.channels, *args),
+    @property
+    def problem(self) -> str | None:
+        """Why the engine is unhealthy: every replica is (with several, one is degraded)."""
+        problems = [r.problem for r in self.replicas]
+        return "; ".join(p for p in problems if p) if all(problems) else None
+
+    def _start(self, name: str, target: Any, channels: Channels, *args: Any) -> None:
+        proc = self.ctx.Process(target=target, name=name, args=(self.cfg, channels, *args),
                                 daemon=False)
         proc.start()
         self.procs.append(proc)
@@ -69,21 +86,30 @@ class Supervisor:
         from scheduler.loop import run_scheduler
         from server.main import run_frontend
 
-        # The supervisor owns the shared-memory segment, so it is removed however children end.
-        self.ring = RingBuffer.create(self.channels.plan_ring, num_readers=self.num_workers)
-        self._start_workers()
-        self._start("scheduler", run_scheduler, self.num_workers, self.status)
-        self._start("frontend", run_frontend, self.status)
+        for replica in self.replicas:
+            # The supervisor owns the shared-memory segments, so they are removed however
+            # children end.
+            replica.ring = RingBuffer.create(replica.channels.plan_ring,
+                                             num_readers=self.num_workers)
+            self._start_workers(replica)
+            name = replica.channels.name("scheduler")
+            self.replica_of[name] = replica
+            self._start(name, run_scheduler, replica.channels, self.num_workers, self.status)
+        self._start("frontend", run_frontend, self.channels, self.status)
 
-    def _start_workers(self) -> None:
+    def _start_workers(self, replica: _Replica) -> None:
         for rank in range(self.num_workers):
-            self._start(f"worker {rank}", run_worker, rank, self.status, self.generation)
+            name = replica.channels.name("worker", rank)
+            self.replica_of[name] = replica
+            self._start(name, run_worker, replica.channels, rank, self.status,
+                        replica.generation)
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, replica: _Replica) -> None:
         """The workers left of a broken group: they would wait on their dead peer for ever."""
         from prometheus_client import multiprocess
 
-        for proc in [p for p in self.procs if p.name.startswith("worker")]:
+        for proc in [p for p in self.procs if p.name.startswith("worker")
+                     and self.replica_of[p.name] is replica]:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(_STOP_TIMEOUT_S)
@@ -111,8 +137,9 @@ class Supervisor:
 
     def watch(self) -> int:
         """Block until a stop signal or a child's death; the exit code for `surge serve`.
-        A dead worker is replaced (the scheduler recomputes its requests) unless it died too
-        often lately; any other death stops surge."""
+        A dead worker is replaced with the rest of its replica's group (that scheduler
+        recomputes its requests; other replicas keep serving) unless the replica's workers died
+        too often lately; any other death (a scheduler's too) stops surge."""
         interval = watchdog_interval()
         pinged = 0.0
         while not self.stopping:
@@ -135,27 +162,29 @@ class Supervisor:
                 log.error("%s exited unexpectedly (code %s); stopping surge", dead.name,
                           dead.exitcode)
                 frontend = next((p for p in self.procs if p.name == "frontend"), None)
-                if dead.name == "scheduler" and frontend is not None and frontend.is_alive():
+                if dead.name.startswith("scheduler") and frontend is not None and \
+                        frontend.is_alive():
                     # Nothing in flight can finish now: the frontend answers it at once.
                     os.kill(frontend.pid, signal.SIGUSR1)
                 return 1
+            replica = self.replica_of[dead.name]
             now = time.monotonic()
-            self.restarts = [t for t in self.restarts if now - t < _RESTART_WINDOW_S]
-            if len(self.restarts) >= self.cfg.supervisor.max_worker_restarts:
+            replica.restarts = [t for t in replica.restarts if now - t < _RESTART_WINDOW_S]
+            if len(replica.restarts) >= self.cfg.supervisor.max_worker_restarts:
                 log.error("%s exited (code %s) after %d restarts in %.0fs; giving up",
-                          dead.name, dead.exitcode, len(self.restarts), _RESTART_WINDOW_S)
+                          dead.name, dead.exitcode, len(replica.restarts), _RESTART_WINDOW_S)
                 self._tell_scheduler(dead, fatal=True)
-                self._wait_for_answers()
+                self._wait_for_answers(replica)
                 return 1
-            self.restarts.append(now)
+            replica.restarts.append(now)
             others = " and the rest of its group" if self.num_workers > 1 else ""
             log.warning("%s exited (code %s); starting new workers%s", dead.name,
                         dead.exitcode, others)
             notify(f"STATUS=replacing {dead.name} (exit code {dead.exitcode})")
             self._tell_scheduler(dead, fatal=False)
-            self._stop_workers()
-            self.generation += 1
-            self._start_workers()
+            self._stop_workers(replica)
+            replica.generation += 1
+            self._start_workers(replica)
         return 0
 
     def _read_status(self) -> None:
@@ -165,17 +194,19 @@ class Supervisor:
                 name, info = self.status.get_nowait()
             except queue.Empty:
                 return
-            if name != "health":
+            if not name.startswith("health"):
                 continue  # a new worker's ready report: the scheduler logs it
-            self.problem = info
-            if info:
-                notify(f"STATUS=unhealthy: {info}")
+            self.replicas[int(name.split()[-1]) if " " in name else 0].problem = info
+            if self.problem:
+                notify(f"STATUS=unhealthy: {self.problem}")
+            elif ailing := [r.problem for r in self.replicas if r.problem]:
+                notify(f"STATUS=degraded: {'; '.join(ailing)}")
             else:
                 notify(f"STATUS=serving on http://{self.cfg.server.host}:{self.cfg.server.port}")
 
     def reload(self) -> None:
         """SIGHUP: read the config again and hand the live parameters to the scheduler."""
-        from surge.admin import ask
+        from surge.admin import ask_all
         from surge.config import ConfigError
         from surge.config_load import load_config
 
@@ -184,7 +215,7 @@ class Supervisor:
         except ConfigError as e:
             log.error("reload refused, nothing changed: %s", e)
             return
-        reply = ask(self.channels.admin, "set", flatten(new))
+        reply = ask_all([r.channels.admin for r in self.replicas], "set", flatten(new))
         if reply.ok:
             log.info("reloaded: %s", reply.values)
             self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
@@ -195,20 +226,22 @@ class Supervisor:
 
     def _tell_scheduler(self, dead: BaseProcess, fatal: bool) -> None:
         """A worker killed outright says nothing itself: say it for it."""
-        rank = int(dead.name.split()[-1])
+        rank = int(dead.name.split()[-1].split(".")[-1])
         error = f"exited with code {dead.exitcode}"
-        self.results.send(encode(WorkerFailed(rank, error, fatal, self.generation)))
+        replica = self.replica_of[dead.name]
+        replica.results.send(encode(WorkerFailed(rank, error, fatal, replica.generation)))
 
-    def _wait_for_answers(self) -> None:
+    def _wait_for_answers(self, replica: _Replica) -> None:
         """Let the scheduler end every request and the frontend write the errors out."""
-        scheduler = next(p for p in self.procs if p.name == "scheduler")
+        name = replica.channels.name("scheduler")
+        scheduler = next(p for p in self.procs if p.name == name)
         scheduler.join(_STOP_TIMEOUT_S / 2)
         time.sleep(0.5)
 
     def stop(self) -> None:
         """Stop the frontend first (no new work), then the scheduler, then the workers."""
         order = {"frontend": 0, "scheduler": 1}
-        for proc in sorted(self.procs, key=lambda p: order.get(p.name, 2)):
+        for proc in sorted(self.procs, key=lambda p: order.get(p.name.split()[0], 2)):
             if proc.is_alive():
                 proc.terminate()
             # The frontend first lets requests in flight finish (the drain).
@@ -222,9 +255,10 @@ class Supervisor:
         self.status.close()
         self.status.join_thread()
         self.zmq.destroy(linger=0)
-        if self.ring is not None:
-            self.ring.close()
-            self.ring.unlink()
+        for replica in self.replicas:
+            if replica.ring is not None:
+                replica.ring.close()
+                replica.ring.unlink()
         self.channels.remove()
 
 

@@ -170,6 +170,39 @@ def test_allocate_and_free_keep_counts_and_free_lists_consistent(prompts, ops, n
     assert bm.num_free == num_blocks
 
 
+@settings(deadline=None)
+@given(st.lists(prompts, min_size=4, max_size=4),
+       st.lists(st.tuples(st.sampled_from(["allocate", "free", "report", "forget"]),
+                          st.integers(0, 3), st.integers(1, 12)), max_size=60),
+       st.integers(2, 16))
+def test_reports_keep_the_router_in_step_with_the_cached_chain_heads(prompts, ops, num_blocks):
+    """Applying every report in turn gives exactly the named blocks within report_depth of
+    their chain's head, however blocks are named, evicted or forgotten."""
+    bm = BlockManager(num_blocks, block_size=4)
+    bm.report_depth = 2
+    seqs = [_seq(i, p) for i, p in enumerate(prompts)]
+    mirror: set[bytes] = set()
+    for op, which, n in ops:
+        seq = seqs[which]
+        if op == "allocate":
+            hits = [] if seq.block_table else bm.lookup(seq.token_ids)
+            num_tokens = len(seq.block_table or hits) * bm.block_size + n
+            if bm.allocate(seq, num_tokens, hits):
+                _computed(bm, seq)
+        elif op == "free":
+            bm.free(seq)
+        elif op == "forget":
+            for s in seqs:
+                bm.free(s)
+            bm.forget_contents()
+        gained, lost = bm.report()
+        assert not set(gained) & set(lost)
+        mirror = (mirror | set(gained)) - set(lost)
+        heads = {s.block_hashes[i] for s in seqs for i in range(min(2, len(s.block_hashes)))}
+        assert mirror == bm.shallow and bm.shallow <= set(bm.by_hash)
+        assert heads & set(bm.by_hash) <= bm.shallow  # a name's depth is its chain's
+
+
 @settings(max_examples=300, deadline=None)
 @given(window=st.integers(1, 20), block_size=st.sampled_from([1, 4, 16]),
        prefix_cache=st.booleans(), margin=st.integers(0, 8),

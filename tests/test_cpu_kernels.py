@@ -132,12 +132,41 @@ def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, se
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_linear_takes_the_cpp_product_for_few_rows_only():
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 140), st.integers(1, 24), st.integers(1, 80), seeds)
+def test_amx_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed):
+    """Row counts over one, two and several x tiles (and past AMX_ROWS), widths of any number
+    of tiles, output counts that are no multiple of the 32-row W block."""
+    if not matmul_cpu.has_amx():
+        pytest.skip("no AMX tiles on this CPU: the AVX-512 / AVX2 product serves instead")
+    torch.manual_seed(seed)
+    x, weight = torch.randn(m, 32 * k32).bfloat16(), torch.randn(n, 32 * k32).bfloat16()
+    got = extension().amx_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_amx_is_found_where_the_cpu_has_it():
+    """A build on an AMX machine that did not take the tiles would quietly lose them."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    assert matmul_cpu.has_amx() == ("amx_bf16" in flags and "avx512_bf16" in flags)
+
+
+def test_linear_takes_the_cpp_products_up_to_their_row_counts():
     weight = torch.randn(40, 64).bfloat16()
-    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, 33):
+    cpp_rows = matmul_cpu.max_rows()
+    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, cpp_rows,
+                 cpp_rows + 1):
         x = torch.randn(rows, 64).bfloat16()
-        want = (extension().small_m_linear(x, weight) if rows <= matmul_cpu.SMALL_M_ROWS
-                else torch.nn.functional.linear(x, weight))
+        if rows > cpp_rows:
+            want = torch.nn.functional.linear(x, weight)
+        elif matmul_cpu.has_amx():
+            want = extension().amx_linear(x, weight)
+        else:
+            want = extension().small_m_linear(x, weight)
         assert torch.equal(matmul_cpu.linear(x, weight), want), rows
     x32 = torch.randn(2, 64)
     assert torch.equal(matmul_cpu.linear(x32, weight.float()),
@@ -175,6 +204,56 @@ def test_a_bf16_model_on_cpp_products_agrees_with_float32_as_plain_bf16(model_fi
     assert agreeing["routed"] >= agreeing["plain"] - 2, agreeing
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 100), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.floats(0.1, 60.0), seeds)
+def test_silu_mul_is_the_reference_in_one_pass(rows, width, dtype, spread, seed):
+    """Widths that are no multiple of a vector, and gates far out on both sides (where e^-g
+    overflows or vanishes), within one rounding of the float64 value."""
+    from kernels import activation, activation_cpu
+
+    torch.manual_seed(seed)
+    x = (torch.randn(rows, 2 * width) * spread).to(dtype)
+    got = activation_cpu.silu_mul(x)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    exact = activation.silu_mul(x.double())
+    rounding = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - exact).abs() <= rounding * exact.abs() + 1e-30).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([(4, 4), (9, 3), (8, 1)]), st.sampled_from([64, 128]),
+       st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+def test_rotate_and_store_is_rotary_then_store(tokens, heads, dim, dtype, seed):
+    """On a view of the qkv projection (rows strided), into shuffled slots of a cache whose
+    other slots must stay untouched: the fused kernel against the reference's two passes."""
+    from kernels import rotary
+
+    torch.manual_seed(seed)
+    h, kvh = heads
+    qkv = torch.randn(tokens, (h + 2 * kvh) * dim).to(dtype)
+    positions = torch.randint(0, 500, (tokens,))
+    cos, sin = rotary.rotary_angles(positions, rotary.rotary_cache(dim, 512, 10000.0))
+    k_cache = torch.full((kvh, 8, 16, dim), float("nan"), dtype=dtype)
+    slots = torch.randperm(8 * 16)[:tokens]
+    done = {}
+    for name, ops in (("cpp", kernels.for_device(torch.device("cpu"), "cpu")),
+                      ("reference", kernels.REFERENCE)):
+        x, kc, vc = qkv.clone(), k_cache.clone(), k_cache.clone()
+        heads_view = x.view(tokens, h + 2 * kvh, dim)
+        ops.rotate_and_store(heads_view[:, : h + kvh], heads_view[:, h + kvh:], cos, sin, kc, vc,
+                             slots)
+        done[name] = (x, kc, vc)
+    tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype], equal_nan=True)
+    for got, want in zip(done["cpp"], done["reference"], strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    # Exactly the slots given were written; every other one still holds its poison.
+    written = torch.zeros(8 * 16, dtype=torch.bool)
+    written[slots] = True
+    assert not done["cpp"][1].view(kvh, -1, dim)[:, written].isnan().any()
+    assert done["cpp"][1].view(kvh, -1, dim)[:, ~written].isnan().all()
+
+
 def test_q4_packing_round_trips():
     q = torch.randint(0, 16, (5, 96))
     packed = matmul_ref.pack_q4(q)
@@ -207,14 +286,53 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
                                                             mins), rtol=2**-7, atol=1e-4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 12), st.integers(1, 50),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
+def test_int8_linear_is_the_dequantized_product(m, sixteens, n, dtype, seed):
+    """Against the float64 product of the dequantized weight: the per-row scales reach the
+    sums unrounded (fp32), whatever the rows, widths and activation dtype."""
+    from gpu_workers.quant import quantize_int8
+
+    torch.manual_seed(seed)
+    k = 16 * sixteens
+    q, scales = quantize_int8(torch.randn(n, k))
+    x = torch.randn(m, k).to(dtype)
+    got = matmul_cpu.int8_linear(x, q, scales)
+    assert got.shape == (m, n) and got.dtype == dtype
+    w = q.double() * scales.double()[:, None]
+    exact = x.double() @ w.T
+    rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
+    bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, matmul_ref.int8_linear(x, q, scales), rtol=2**-7,
+                               atol=1e-4)
+
+
+def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():
+    """Int8Linear keeps fp32 scales for the C++ product; on the reference it is PyTorch's."""
+    from gpu_workers.quant import Int8Linear
+
+    w = torch.randn(24, 64)
+    cpp = Int8Linear(w.bfloat16(), kernels.for_device(torch.device("cpu"), "cpu"))
+    assert cpp.scales.dtype == torch.float32
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(cpp(x), matmul_ref.int8_linear(x, cpp.q, cpp.scales),
+                               rtol=2**-7, atol=1e-4)
+    plain = Int8Linear(w.bfloat16())
+    assert plain.scales.dtype == torch.bfloat16
+    torch.testing.assert_close(plain(x).float(), cpp(x).float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantization", "ranks", "dtype"),
                          [("none", 1, "bfloat16"), ("int4", 1, "bfloat16"),
-                          ("none", 3, "float32")])
+                          ("int8", 1, "bfloat16"), ("none", 3, "float32")])
 def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
-    """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 ones to the
-    C++ int4 product), and the C++ attention split over 3 gloo ranks (9 heads; in float32,
-    since in bf16 this prompt's first token is a near-tie that the split's rounding can turn);
+    """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 and int8
+    ones to the C++ low-bit products), and the C++ attention split over 3 gloo ranks (9 heads;
+    in float32, since in bf16 this prompt's first token is a near-tie that the split's rounding
+    can turn);
     one request and four at once (still the small-M path) answer alike."""
     srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization,
                         "--tensor-parallel-size", str(ranks), dtype=dtype).wait_ready()
@@ -222,8 +340,9 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype):
         log = srv.output()
         assert "cpu kernels (--kernel-backend)" in log
         # With int4 layers, the LM head still takes the small-M product.
-        assert ("C++ products up to 4 rows" in log) == (dtype == "bfloat16")
-        assert ("int4 weights" in log) == (quantization == "int4")
+        assert (f"C++ products up to {matmul_cpu.max_rows()} rows" in log) == \
+            (dtype == "bfloat16")
+        assert (f"{quantization} weights" in log) == (quantization != "none")
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
         def ask(_: int = 0) -> str:

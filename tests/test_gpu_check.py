@@ -65,3 +65,5 @@ def test_server_failures() -> None:
         "concurrency 1: RuntimeError: surge bench exited with 2", "concurrency 16: {'503': 1}"]
     assert gpu_check.failures({"server": {"error": "TimeoutError: x"}}) == [
         "server: TimeoutError: x"]
+    assert gpu_check.failures({"dp_server": {"levels": levels[1:]}}) == [
+        "data parallel, concurrency 16: {'503': 1}"]

@@ -274,3 +274,26 @@ def test_malformed_messages_on_internal_channels_are_not_fatal(server):
     out = _admin("get", "--json", "--runtime-dir", server.runtime_dir)
     assert out.returncode == 0 and json.loads(out.stdout)["ok"], out.stderr
     assert "malformed admin request" in server.output()
+
+
+def test_each_replica_has_its_own_channels_and_names():
+    from surge.runtime import Channels, admin_addresses
+
+    base = msgspec.structs.replace(
+        Channels("/run/x", "ipc:///run/x/requests", "ipc:///run/x/outputs",
+                 "ipc:///run/x/results", "surge-0123456789abcdef-plan", "ipc:///run/x/admin"),
+        replicas=2)
+    first, second = base.for_replica(0, 2), base.for_replica(1, 2)
+    assert (first.requests, first.admin, first.plan_ring) == \
+        (base.requests, base.admin, base.plan_ring)  # replica 0 keeps the plain names
+    assert (second.requests, second.results, second.admin, second.plan_ring) == (
+        "ipc:///run/x/requests-1", "ipc:///run/x/results-1", "ipc:///run/x/admin-1",
+        "surge-0123456789abcdef-plan1")  # under the run id, so the sweep finds it
+    assert second.outputs == base.outputs  # one socket for every scheduler's outputs
+    assert (second.name("scheduler"), second.name("worker", 0)) == ("scheduler 1", "worker 1.0")
+    single = Channels("/run/y", "", "", "", "p", "")
+    assert (single.name("scheduler"), single.name("worker", 2)) == ("scheduler", "worker 2")
+    with tempfile.TemporaryDirectory() as root:
+        os.chmod(root, 0o700)
+        Path(root, "replicas").write_text("2")
+        assert admin_addresses(root) == [f"ipc://{root}/admin", f"ipc://{root}/admin-1"]

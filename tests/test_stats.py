@@ -15,6 +15,7 @@ from surge.config import SchedulerConfig, SurgeConfig, TenantConfig
 from surge.protocol import (
     AdminRequest,
     EngineRequest,
+    EngineStats,
     RequestOutput,
     SamplingParams,
     SeqResult,
@@ -23,7 +24,8 @@ from surge.protocol import (
 )
 
 # Counters and histograms are process-wide: the test compares them with their start values.
-M = {"model_name": "m"}
+# The scheduler's own engine series also name its data-parallel replica.
+M = {"model_name": "m", "replica": "0"}
 _TOTALS = [("surge_batch_size_count", {}), ("surge_step_tokens_sum", {}),
            ("surge_queue_wait_seconds_count", M), ("surge_prefix_cache_hit_tokens_total", M),
            ("surge_rejected_requests_total", {"tenant": "acme", "limit": "max_concurrent"}),
@@ -87,7 +89,8 @@ def test_snapshot_and_metrics_come_from_the_same_figures():
     assert (snap.kv_blocks_used, snap.kv_blocks_total) == (3, 32)  # a's two, b's second
 
     stats.export(snap, sched, cfg)
-    assert (_value("surge_running_requests", **M), _value("surge_queued_prompt_tokens")) == (2, 3)
+    assert (_value("surge_running_requests", **M),
+            _value("surge_queued_prompt_tokens", replica="0")) == (2, 3)
     assert (_value("surge_kv_cache_blocks_used", **M), _value("surge_kv_cache_blocks", **M)) == \
         (3, 32)
     assert _value("surge_kv_cache_usage_ratio", **M) == 3 / 32
@@ -121,3 +124,24 @@ def test_generated_tokens_count_tokens_not_outputs():
     stats.record_step(plan, StepResult(0, {}), [RequestOutput("a", [5, 6, 7]),
                                                 RequestOutput("b", [8])], continuous=True)
     assert stats.generated_tokens == 4
+
+
+def test_replicas_stats_add_up_with_the_worst_levels():
+    from surge.replica_stats import total
+
+    a = msgspec.to_builtins(EngineStats(time=1.0, running=2, waiting=1, kv_blocks_used=3,
+                                        kv_blocks_total=10, prefix_queried_tokens=8,
+                                        prefix_hit_tokens=4, preemptions=0, steps=5,
+                                        scheduled_tokens=9, generated_tokens=7,
+                                        worker_compute_s=0.5, worker_wait_s=0.1,
+                                        overload_level=1, forecast={"60": 1.0}, breaker="open",
+                                        breaker_rejected=3))
+    b = {**a, "time": 2.0, "running": 1, "overload_level": 0, "replica": 1, "congested": True,
+         "forecast": {"60": 2.0}}
+    out = total([a, b])
+    assert (out["running"], out["kv_blocks_total"], out["generated_tokens"]) == (3, 20, 14)
+    assert (out["time"], out["overload_level"], out["congested"]) == (2.0, 1, True)
+    assert (out["breaker"], out["breaker_rejected"], out["forecast"]) == ("open", 3,
+                                                                         {"60": 3.0})
+    assert out["type"] == "EngineStats" and "replica" not in out
+    assert out["replicas"] == [a, b]

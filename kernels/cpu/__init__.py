@@ -10,7 +10,9 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "int4.cpp")
+_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "amx.cpp",
+            "int4.cpp", "int8.cpp", "activation.cpp",
+            "rotary.cpp")
 
 
 def build_dir() -> Path:

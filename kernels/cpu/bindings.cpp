@@ -9,8 +9,16 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight);
 std::string gemv_isa();
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
+bool amx_available();
+torch::Tensor silu_mul(const torch::Tensor& x);
+void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
+                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                      const torch::Tensor& slots);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales, const torch::Tensor& mins);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scales);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one row per query");
@@ -18,5 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("small_m_linear", &small_m_linear, "x W^T for a few rows of x, bf16, fp32 sums");
   m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums");
+  m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per output row, fp32 sums");
+  m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
+  m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
+  m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");
   m.def("gemv_isa", &gemv_isa, "the instruction set small_m_linear was built for");
 }

@@ -3,21 +3,13 @@
 // fp32 holds exactly, and the sums are fp32, so nothing is rounded between the file and y.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
-#include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "dequant_product.h"
 
 namespace {
 
 // Q4_1's block: 32 columns in 16 bytes, byte i holding column i (low nibble) and column i + 16
 // (high nibble), so a block's two halves widen to two contiguous vectors of 16 columns.
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRows = 4;  // W rows a task dequantizes at once (into a buffer L1 holds)
-constexpr int64_t kTile = 4;  // x rows per pass over that buffer (16 accumulators)
 
 // W rows [n, n + rows) in fp32 into buf [rows][K].
 void dequantize(const uint8_t* q, const float* scales, const float* mins, int64_t n,
@@ -51,57 +43,6 @@ void dequantize(const uint8_t* q, const float* scales, const float* mins, int64_
   }
 }
 
-// tile x rows (fp32) against `rows` dequantized W rows; K is a multiple of kBlock.
-template <int64_t tile, typename T>
-void dot_block(const float* x, int64_t K, const float* w, int64_t rows, T* out, int64_t ldo) {
-#if defined(__AVX512F__)
-  __m512 acc[tile][kRows];
-  for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[kRows];
-    for (int64_t r = 0; r < kRows; ++r)
-      wv[r] = r < rows ? _mm512_loadu_ps(w + r * K + k) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < tile; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r)
-      out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
-#else
-  for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) {
-      float s = 0.0f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[r * K + k];
-      out[m * ldo + r] = static_cast<T>(s);
-    }
-#endif
-}
-
-template <typename T>
-void int4_rows(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scales,
-               const float* mins, int64_t N, int64_t groups, T* out) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(kRows * K);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kRows, rows = std::min(kRows, N - n);
-      dequantize(q, scales, mins, n, rows, K, groups, buf.data());
-      int64_t m = 0;
-      for (; m + kTile <= M; m += kTile)
-        dot_block<kTile>(x + m * K, K, buf.data(), rows, out + m * N + n, N);
-      switch (M - m) {
-        case 3: dot_block<3>(x + m * K, K, buf.data(), rows, out + m * N + n, N); break;
-        case 2: dot_block<2>(x + m * K, K, buf.data(), rows, out + m * N + n, N); break;
-        case 1: dot_block<1>(x + m * K, K, buf.data(), rows, out + m * N + n, N); break;
-        default: break;
-      }
-    }
-  });
-}
-
 }  // namespace
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
@@ -121,9 +62,12 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
   auto out = torch::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear",
                                   [&] {
-    int4_rows<scalar_t>(xf.data_ptr<float>(), M, K, qc.data_ptr<uint8_t>(),
-                        sc.data_ptr<float>(), mc.data_ptr<float>(), N, groups,
-                        out.data_ptr<scalar_t>());
+    const uint8_t* qp = qc.data_ptr<uint8_t>();
+    const float *sp = sc.data_ptr<float>(), *mp = mc.data_ptr<float>();
+    dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(),
+                     [&](int64_t n, int64_t rows, float* buf) {
+                       dequantize(qp, sp, mp, n, rows, K, groups, buf);
+                     });
   });
   return out;
 }
