@@ -1,7 +1,7 @@
 """x W^T through the C++ products, as kernels.matmul's: bf16 on AMX tiles (kernels/cpu/amx.cpp)
-up to AMX_ROWS rows where the CPU has them, else kernels/cpu/gemv.cpp up to SMALL_M_ROWS; more
-rows go to oneDNN, which is faster there (bench.cpu_kernels_bench); and kernels/cpu/int4.cpp
-and int8.cpp on quantized weights."""
+from 2 up to AMX_ROWS rows where the CPU has them, kernels/cpu/gemv.cpp for one row (and up to
+SMALL_M_ROWS without AMX); more rows go to oneDNN, which is faster there
+(bench.cpu_kernels_bench); and kernels/cpu/int4.cpp and int8.cpp on quantized weights."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from kernels.cpu import extension
 # beats oneDNN; past it oneDNN's blocked GEMM, which reuses each W tile over many rows, wins.
 SMALL_M_ROWS = 4
 # AMX tiles read W in its plain layout at any row count, but past this many rows each W tile
-# passes over more of x than the cache holds, and oneDNN's blocking wins (prefill chunks).
+# passes over more of x than the cache holds, and oneDNN's blocking wins (prefill chunks). For
+# one row the vector product is faster: a tile pass computes 16 rows, 15 of them zeros.
 AMX_ROWS = 128
 
 
@@ -35,7 +36,7 @@ def max_rows() -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.bfloat16:
         rows = x.shape[0]
-        if rows <= AMX_ROWS and x.shape[1] % 32 == 0 and has_amx():
+        if 1 < rows <= AMX_ROWS and x.shape[1] % 32 == 0 and has_amx():
             return extension().amx_linear(x, weight)
         if rows <= SMALL_M_ROWS:
             return extension().small_m_linear(x, weight)
