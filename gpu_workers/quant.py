@@ -68,13 +68,14 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scales = quantize_int8(weight)
         self.ops = ops
+        self.cpp = ops.name == "cpu" and weight.shape[1] % 16 == 0  # whole vectors of K
         self.q = nn.Buffer(q)
-        self.scales = nn.Buffer(scales if ops.name == "cpu" else scales.to(weight.dtype))
+        self.scales = nn.Buffer(scales if self.cpp else scales.to(weight.dtype))
         self.fast = _has_op("_weight_int8pack_mm", weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (the model's tokens are flat) -> [T, out]."""
-        if self.ops.name == "cpu":
+        if self.cpp:
             return self.ops.int8_linear(x, self.q, self.scales)
         if self.fast:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
@@ -82,9 +83,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """On the C++ backend the nibbles stay in Q4_1's order with fp32 steps and minimums (a
-    GGUF's fp16 ones exactly) for kernels/cpu/int4.cpp; elsewhere PyTorch's int4 operators,
-    which take their scales and offsets in the activations' dtype."""
+    """On the C++ backend (groups of a multiple of 32) the nibbles stay in Q4_1's order with
+    fp32 steps and minimums (a GGUF's fp16 ones exactly) for kernels/cpu/int4.cpp; elsewhere
+    PyTorch's int4 operators, which take their scales and offsets in the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None,
                  ops: Kernels = kernels.REFERENCE) -> None:
@@ -92,10 +93,9 @@ class Int4Linear(nn.Module):
         self.group = group
         self.ops = ops
         q, scales, zeros = quantize_int4(weight, group, grid)
-        if ops.name == "cpu":
-            if group % Q4_BLOCK:
-                raise ValueError(f"the cpu kernel backend's int4 groups are multiples of "
-                                 f"{Q4_BLOCK} columns, not {group}; use --quant-group-size 32")
+        # The C++ product reads whole Q4_1 blocks; other groups take PyTorch's operator.
+        self.cpp = ops.name == "cpu" and group % Q4_BLOCK == 0
+        if self.cpp:
             self.packed = nn.Buffer(pack_q4(q))
             self.scales, self.mins = nn.Buffer(scales), nn.Buffer(zeros - 8 * scales)
             return
@@ -110,7 +110,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.ops.name == "cpu":
+        if self.cpp:
             return self.ops.int4_linear(x, self.packed, self.scales, self.mins)
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,

@@ -82,10 +82,11 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = True
     kernel_backend: Annotated[
         Literal["auto", "reference", "cpu", "triton"],
-        Meta(description="compute kernels: auto picks triton on CUDA and the PyTorch reference "
-             "elsewhere; reference, cpu (the C++ kernels: paged attention in place, fused "
-             "RMSNorm, bf16 products of up to 4 rows, int8 and int4 in fp32) or triton force "
-             "one (A/B runs, debugging)"),
+        Meta(description="compute kernels: auto picks triton on CUDA and, on the CPU, the C++ "
+             "kernels where they built (else the PyTorch reference); reference, cpu (paged "
+             "attention in place, fused RMSNorm, rotary with the KV store, SiLU*mul, bf16 "
+             "products on AMX or vector units, int8 and int4 in fp32) or triton force one "
+             "(A/B runs, debugging)"),
     ] = "auto"
     deterministic: Annotated[
         bool, Meta(description="batch-invariant attention (CPU only): a token's result does "

@@ -63,7 +63,7 @@ def test_admin_round_trip(tmp_path):
     try:
         code, got = _admin(env, port, "get")
         assert code == 0 and got["values"]["max_num_seqs"] == 64
-        assert got["values"]["kernel_backend"] == "reference kernels (auto on cpu)"
+        assert got["values"]["kernel_backend"] == "cpu kernels (auto on cpu)"
         # Invalid sets are refused whole and change nothing.
         for bad in (["max_num_seqs=0"], ["max_num_seqs=2", "block_size=32"],
                     ["max_num_seqs=many"], ["no_such_thing=1"]):

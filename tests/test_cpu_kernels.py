@@ -37,8 +37,12 @@ def _oracle(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def test_the_extension_builds_where_a_compiler_exists():
-    """CI fails here, not by a quiet fallback, if the C++ backend did not build."""
+    """CI fails here, not by a quiet fallback, if the C++ backend did not build; and where it
+    built, auto serves on it."""
     assert extension() is not None or shutil.which("c++") is None
+    picked = kernels.for_device(torch.device("cpu"))
+    assert picked.name == ("cpu" if extension() is not None else "reference")
+    assert str(picked) == "cpu kernels (auto on cpu)" or extension() is None
 
 
 shapes = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),

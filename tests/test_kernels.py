@@ -201,9 +201,9 @@ def test_add_rms_norm_matches_definition():
 
 def test_the_backend_is_a_value_picked_per_device(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cpu = kernels.for_device(torch.device("cpu"))
+    cpu = kernels.for_device(torch.device("cpu"), "reference")
     assert cpu.name == "reference" and cpu.decode_attention is decode_attention
-    assert str(cpu) == "reference kernels (auto on cpu)"
+    assert str(cpu) == "reference kernels (--kernel-backend)"
     with pytest.raises(ValueError, match="needs CUDA"):
         kernels.for_device(torch.device("cpu"), "triton")
     with pytest.raises(ValueError, match="use one of"):
