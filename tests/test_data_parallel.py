@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from surge.admin import ask
-from tests.server import ServerProcess, descendants
-from tests.test_shutdown import _streams, _title
+from tests.server import ServerProcess
+from tests.test_shutdown import _streams, _workers
 
 pytestmark = pytest.mark.slow
 PREFIX = list(range(1000, 1512))  # 512 tokens: 32 blocks of 16
@@ -151,14 +151,12 @@ def _runtime_dir(server: ServerProcess) -> str:
 
 
 def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
-    workers = {_title(p): p for p in descendants(server.proc.pid)
-               if _title(p).startswith("surge: worker")}
+    workers = _workers(server)
     assert set(workers) == {"surge: worker 0.0", "surge: worker 1.0"}, workers
     results = _streams(server, 6, 24, kill=workers["surge: worker 1.0"])
     assert all(len(text) > 0 for text, _ in results)  # every stream finished
     # The other replica kept serving meanwhile (its worker was never replaced).
-    after = {_title(p): p for p in descendants(server.proc.pid)
-             if _title(p).startswith("surge: worker")}
+    after = _workers(server)
     assert after["surge: worker 0.0"] == workers["surge: worker 0.0"]
     with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
         assert json.load(r)["status"] in ("ok", "degraded")

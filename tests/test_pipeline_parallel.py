@@ -335,17 +335,6 @@ def test_three_served_stages_give_the_one_rank_answers(three_stages, one_rank_an
 def test_killed_stage_replaces_the_group_and_streams_finish_identically(three_stages):
     """kill -9 the middle stage mid-stream: a new group of three starts and every stream ends
     with the text of an undisturbed run."""
-    from tests.server import descendants
-    from tests.test_shutdown import _streams, _title
+    from tests.test_shutdown import assert_killed_worker_replaces_its_group
 
-    def workers() -> dict[str, int]:
-        return {_title(p): p for p in descendants(three_stages.proc.pid)
-                if _title(p).startswith("surge: worker")}
-
-    undisturbed = _streams(three_stages, 8, 24)
-    before = workers()
-    assert len(before) == 3
-    disturbed = _streams(three_stages, 8, 24, kill=before["surge: worker 1"])
-    assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
-    after = workers()
-    assert len(after) == 3 and not set(after.values()) & set(before.values())
+    assert_killed_worker_replaces_its_group(three_stages, "surge: worker 1", 3)

@@ -108,6 +108,27 @@ def _worker_pid(server: ServerProcess) -> int:
     return worker
 
 
+def _workers(server: ServerProcess) -> dict[str, int]:
+    """The server's worker processes: title -> pid."""
+    from tests.server import descendants
+
+    return {_title(p): p for p in descendants(server.proc.pid)
+            if _title(p).startswith("surge: worker")}
+
+
+def assert_killed_worker_replaces_its_group(server: ServerProcess, victim: str, size: int,
+                                            streams: int = 8) -> None:
+    """kill -9 the worker titled victim mid-stream: a new group of `size` starts, and every
+    one of `streams` streams ends with the text of an undisturbed run."""
+    undisturbed = _streams(server, streams, 24)
+    before = _workers(server)
+    assert len(before) == size, before
+    disturbed = _streams(server, streams, 24, kill=before[victim])
+    assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
+    after = _workers(server)
+    assert len(after) == size and not set(after.values()) & set(before.values())
+
+
 def _streams(server: ServerProcess, n: int, max_tokens: int, kill: int | None = None
              ) -> list[tuple[str, float]]:
     """n greedy streams at once: (text, longest gap between two chunks) of each. kill: a pid

@@ -175,18 +175,6 @@ def test_surge_serve_split_three_ways_matches_one_rank(split_server):
 def test_killed_rank_replaces_the_group_and_streams_finish_identically(split_server):
     """kill -9 rank 1 mid-stream: the other ranks are stopped, a new group of three starts, and
     every stream ends with the text of an undisturbed run."""
+    from tests.test_shutdown import assert_killed_worker_replaces_its_group
 
-    from tests.server import descendants
-    from tests.test_shutdown import _streams, _title
-
-    def ranks() -> dict[str, int]:
-        return {_title(p): p for p in descendants(split_server.proc.pid)
-                if _title(p).startswith("surge: worker")}
-
-    undisturbed = _streams(split_server, 6, 24)
-    before = ranks()
-    assert len(before) == 3
-    disturbed = _streams(split_server, 6, 24, kill=before["surge: worker 1"])
-    assert [t for t, _ in disturbed] == [t for t, _ in undisturbed]
-    after = ranks()
-    assert len(after) == 3 and not set(after.values()) & set(before.values())
+    assert_killed_worker_replaces_its_group(split_server, "surge: worker 1", 3, streams=6)
