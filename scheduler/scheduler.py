@@ -18,8 +18,9 @@ from scheduler.block_manager import BlockManager
 from scheduler.cost import StepCost
 from scheduler.intake import MIXED_WINDOW_S, Intake
 from scheduler.pipeline import micro_batch_seats
+from scheduler.preemption import Preemption
 from scheduler.quarantine import POISON_ERROR, Quarantine
-from scheduler.queue import WaitingQueue, urgency
+from scheduler.queue import WaitingQueue
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculation
 from shm.staging import STAGING_WORDS
@@ -38,7 +39,7 @@ log = logging.getLogger("surge.scheduler")
 _BUCKET_WINDOW = 64  # how far down the queue length bucketing looks for similar prompts
 
 
-class Scheduler(Intake):
+class Scheduler(Intake, Preemption):
     """Plans steps and applies their results; requests come in through Intake (add_all,
     abort, expire)."""
 
@@ -155,12 +156,6 @@ class Scheduler(Intake):
         self._released = []  # the new workers hold no matchers
         self.blocks.forget_contents()
 
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
-        """The least urgent sequence, the latest arrival among equals."""
-        now = self.clock()
-        return max(reversed(candidates), key=lambda s: (urgency(s, self.cfg, now)[0],
-                                                        s.arrival_time))
-
     def speculating(self) -> bool:
         """Whether the next step may carry proposals; then it must not be planned before the
         previous one's tokens are known (see Speculation)."""
@@ -173,39 +168,6 @@ class Scheduler(Intake):
             return False
         now = self.clock()
         return sum(now - seen < MIXED_WINDOW_S for seen in self._classes_seen.values()) > 1
-
-    def _preempt_for_urgent(self, max_seqs: int) -> None:
-        """Waiting requests of a more urgent class than some running ones take their places
-        when the batch or the KV cache has no room for them."""
-        now = self.clock()
-        # Aged like the waiting ones, so two requests never preempt each other in turn.
-        classes = {s.seq_id: urgency(s, self.cfg, now)[0] for s in self.running}
-        seats = max_seqs - len(self.running)
-        reserved = 0  # free blocks the more urgent ones before seq will take
-        for seq in islice(self.waiting.order(self.cfg, now), max_seqs):
-            urgent = urgency(seq, self.cfg, now)[0]
-            if urgent >= max(classes.values(), default=urgent):
-                return  # the queue comes most urgent first: no one further on can preempt
-            if seq.num_pending:
-                continue
-            hits = self.blocks.lookup(seq.token_ids)
-            cached = len(hits) * self.cfg.block_size
-            num_tokens = cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)
-            while True:
-                # Counted again after each preemption: a victim returns only the blocks nobody
-                # else holds, and may have held some of seq's cached prefix.
-                need = self.blocks.blocks_to_allocate(seq, num_tokens, hits)
-                if seats > 0 and need <= self.blocks.num_free - reserved:
-                    break
-                lax = [s for s in self.running if classes[s.seq_id] > urgent]
-                if not lax:
-                    return
-                victim = self._victim(lax)
-                seats += 1
-                self._preempt(victim)
-                del classes[victim.seq_id]
-            seats -= 1
-            reserved += need
 
     def schedule(self) -> StepPlan | None:
         """Pack the next step within the token budget and the staging buffer: decodes first,
@@ -314,18 +276,6 @@ class Scheduler(Intake):
                 f"{self.staging_words} a step holds (its logit_bias, stop_token_ids, prompt "
                 f"chunk or context are too large); it can never run", status=400))
         return None
-
-    def _make_room(self, seq: Sequence, seats: int) -> Iterator[Sequence]:
-        """A waiting suspect runs alone: running sequences are preempted to make room for it."""
-        if seq.status is not Status.WAITING or seq.num_pending:
-            return iter(())
-        hits = self.blocks.lookup(seq.token_ids)
-        num_tokens = min(seq.num_tokens, len(hits) * self.cfg.block_size
-                         + self.cfg.max_num_batched_tokens)
-        while self.running and (len(self.running) >= seats or self.blocks.blocks_to_allocate(
-                seq, num_tokens, hits) > self.blocks.num_free):
-            self._preempt(self._victim(self.running))
-        return iter([seq])
 
     def _admission_order(self, seats: int) -> Iterator[Sequence]:
         """Waiting sequences in the order to try them (see WaitingQueue.order); with length
