@@ -80,7 +80,7 @@ def export_model() -> str:
                              ("mlp.gate_proj", gate), ("mlp.up_proj", up),
                              ("mlp.down_proj", layer.mlp.down_proj.weight),
                              ("input_layernorm", layer.input_norm),
-                             ("post_attention_layernorm", layer.post_attn_norm)):
+                             ("post_attention_layernorm", layer.mlp_norm)):
             tensors[f"model.layers.{i}.{name}.weight"] = tensor
     if model.lm_head is not None:
         tensors["lm_head.weight"] = model.lm_head.weight
