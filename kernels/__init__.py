@@ -91,8 +91,11 @@ def rotate_and_store(rotate: Callable, store: Callable, qk: torch.Tensor, v: tor
 REFERENCE = backend("reference", "the default before a worker picks")
 
 
-def for_device(device: torch.device, choice: str = "auto") -> Kernels:
-    """The backend for a device: choice is one of BACKENDS (--kernel-backend)."""
+def for_device(device: torch.device, choice: str = "auto", deterministic: bool = False
+               ) -> Kernels:
+    """The backend for a device: choice is one of BACKENDS (--kernel-backend); deterministic:
+    --deterministic, whose batch-invariant steps the C++ products would break (one row and
+    several sum in different orders)."""
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend {choice!r}: use one of {', '.join(BACKENDS)}")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,6 +105,12 @@ def for_device(device: torch.device, choice: str = "auto") -> Kernels:
     why = "--kernel-backend" if choice != "auto" else f"auto on {device.type}"
     if choice == "reference":
         return backend("reference", why)
+    if deterministic and device.type == "cpu":
+        if choice == "cpu":
+            raise ValueError("--deterministic needs products whose result does not depend on "
+                             "the batch, which the cpu kernel backend's do; drop "
+                             "--kernel-backend cpu (auto then takes the reference)")
+        return backend("reference", f"{why} with --deterministic: batch-invariant products")
     if device.type == "cuda":
         if choice == "cpu":
             raise ValueError("the cpu kernel backend runs on the CPU; use --kernel-backend auto")

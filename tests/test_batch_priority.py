@@ -24,7 +24,7 @@ def test_interactive_requests_overtake_queued_batch_lines(tmp_path):
         batch_id = run_batch(c, lines).id
         deadline = time.monotonic() + 60
         waiting = {"model_name": "SmolLM2-135M-Instruct", "priority": "100",
-                   "tenant": "default"}
+                   "tenant": "default", "replica": "0"}
         while server.metric("surge_waiting_requests", **waiting) < 3:
             assert time.monotonic() < deadline, "no batch line waited at priority 100"
             time.sleep(0.05)

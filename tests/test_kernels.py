@@ -208,3 +208,7 @@ def test_the_backend_is_a_value_picked_per_device(monkeypatch):
         kernels.for_device(torch.device("cpu"), "triton")
     with pytest.raises(ValueError, match="use one of"):
         kernels.for_device(torch.device("cpu"), "fast")
+    # --deterministic keeps the batch-invariant reference, and refuses the C++ products.
+    assert kernels.for_device(torch.device("cpu"), deterministic=True).name == "reference"
+    with pytest.raises(ValueError, match="--deterministic needs products"):
+        kernels.for_device(torch.device("cpu"), "cpu", deterministic=True)

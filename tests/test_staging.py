@@ -3,7 +3,6 @@ previous step's inputs stay intact."""
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -93,12 +92,12 @@ def _plan(draw: st.DrawFn) -> StepPlan:
 def test_step_words_are_the_words_a_step_packs(runner, plan, rank0):
     """The one count the scheduler plans with is exactly what the worker packs, on the rank
     that samples and on the others."""
-    tp = runner.model.tp
-    runner.model.tp = msgspec.structs.replace(tp, rank=0 if rank0 else 1)
+    samples = runner.samples
+    runner.samples = rank0  # whether this rank samples for the group (see ModelRunner)
     runner.sampled_rows = {s.seq_id: 0 for s in plan.seqs}
     runner.sampled = torch.zeros(1, dtype=torch.int64)
     try:
         runner.prepare(plan)
     finally:
-        runner.model.tp = tp
+        runner.samples = samples
     assert runner.staging.used == step_words(plan, sampling=rank0)
