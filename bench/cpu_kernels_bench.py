@@ -2,10 +2,12 @@
 
 Linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++ kernels
 (kernels/cpu/gemv.cpp, and kernels/cpu/amx.cpp where the CPU has AMX) against oneDNN on packed
-weights and plain F.linear, in microseconds and in GB/s of weights read, beside the machine's
+weights and plain F.linear, and the int4 product (kernels/cpu/int4.cpp, groups of 32) on the
+same weight, in microseconds and in GB/s of bf16 weights read, beside the machine's
 measured copy bandwidth; and decode attention over the paged KV cache (64 sequences at
 context 512 by default, the bundled model's 9 query / 3 KV heads of 64), the C++ kernel against
-the reference, in GB/s of K/V read.
+the reference, in GB/s of K/V read (each call on the next of 12 layers' caches, 300 MB, as a
+step reads them: from memory, not from the last-level cache).
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
        [--repeats 30] [--threads N] [--output result.json]
@@ -26,8 +28,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_workers.quant import quantize_int4
 from kernels import attention, attention_cpu
 from kernels.cpu import extension
+from kernels.matmul import pack_q4
 
 # (name, in, out): SmolLM2-135M's projections, its head, and one Llama-8B MLP product.
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
@@ -59,21 +63,29 @@ def time_alternately(fns: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def attention_rates(seqs: int, context: int, repeats: int, block: int = 16, heads: int = 9,
-                    kv_heads: int = 3, dim: int = 64) -> dict[str, float]:
-    """Seconds of one layer's decode attention, C++ and reference, on shuffled blocks."""
+def attention_rates(seqs: int, context: int, repeats: int, layers: int, block: int = 16,
+                    heads: int = 9, kv_heads: int = 3, dim: int = 64) -> dict[str, float]:
+    """Seconds of one layer's decode attention, C++ and reference, on shuffled blocks. Each call
+    reads the next of `layers` caches, as a step reads each layer's in turn: with enough layers
+    the K/V comes from memory, not from a cache the last call warmed."""
     blocks = seqs * (-(-context // block))
-    k_cache = torch.randn(kv_heads, blocks + 1, block, dim).bfloat16()
-    v_cache = torch.randn_like(k_cache)
+    caches = [(torch.randn(kv_heads, blocks + 1, block, dim).bfloat16(),
+               torch.randn(kv_heads, blocks + 1, block, dim).bfloat16()) for _ in range(layers)]
     tables = torch.randperm(blocks).view(seqs, -1)
     lens = torch.full((seqs,), context)
     q = torch.randn(seqs, heads, dim).bfloat16()
-    plans = {"cpp": attention_cpu.plan_decode(tables, lens, k_cache),
-             "reference": attention.plan_decode(tables, lens, k_cache)}
+    plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0]),
+             "reference": attention.plan_decode(tables, lens, caches[0][0])}
+    turn = {"cpp": 0, "reference": 0}
+
+    def run(name: str, kernel: Callable) -> None:
+        k_cache, v_cache = caches[turn[name] % layers]
+        turn[name] += 1
+        kernel(q, k_cache, v_cache, plans[name], 0.125)
+
     return time_alternately({
-        "cpp": lambda: attention_cpu.decode_attention(q, k_cache, v_cache, plans["cpp"], 0.125),
-        "reference": lambda: attention.decode_attention(q, k_cache, v_cache,
-                                                        plans["reference"], 0.125),
+        "cpp": lambda: run("cpp", attention_cpu.decode_attention),
+        "reference": lambda: run("reference", attention.decode_attention),
     }, repeats)
 
 
@@ -84,6 +96,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--attention", default="64x512",
                         help="decode attention: SEQSxCONTEXT ('' skips it)")
+    parser.add_argument("--attention-layers", type=int, default=12,
+                        help="caches the attention calls take in turn (1: the same, warm one)")
     parser.add_argument("--output")
     args = parser.parse_args()
     if args.threads:
@@ -97,18 +111,22 @@ def main() -> None:
           f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
-          f"{'plain us':>9} {'c++ GB/s':>8} {'amx':>7} {'onednn':>7}")
+          f"{'plain us':>9} {'int4 us':>9} {'c++ GB/s':>8} {'amx':>7} {'onednn':>7}")
     rows_out = []
-    for name, k, n in SHAPES:
+    rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
+    for name, k, n in SHAPES if rows else []:
         weight = torch.randn(n, k).bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        for m in [int(r) for r in args.rows.split(",")]:
+        q, scales, zeros = quantize_int4(weight, 32)
+        q4 = (pack_q4(q), scales, zeros - 8 * scales)
+        for m in rows:
             x = torch.randn(m, k).bfloat16()
             fns = {
                 "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
                 "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
                     x, p, None, "none", [], ""),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
+                "int4": lambda x=x, q4=q4: ext.int4_linear(x, *q4),
             }
             if amx and k % 32 == 0:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
@@ -116,7 +134,8 @@ def main() -> None:
             gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
             nan = float("nan")
             print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
-                  f"{t['onednn'] * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
+                  f"{t['onednn'] * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
+                  f"{t['int4'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
                   f"{gbs.get('amx', nan):>7.1f} {gbs['onednn']:>7.1f}")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},
@@ -125,13 +144,14 @@ def main() -> None:
     if args.attention:
         seqs, context = (int(v) for v in args.attention.split("x"))
         kv_bytes = 2 * seqs * context * 3 * 64 * 2  # K and V, 3 KV heads of 64, bf16
-        t = attention_rates(seqs, context, args.repeats)
+        t = attention_rates(seqs, context, args.repeats, args.attention_layers)
         attn = {f"{key}_us": s * 1e6 for key, s in t.items()}
         attn.update({f"{key}_gbs": kv_bytes / s / 1e9 for key, s in t.items()})
         print(f"decode attention, {seqs} sequences at context {context} ({kv_bytes / 1e6:.1f} MB "
               f"of K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
               f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), reference "
-              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s")
+              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s; "
+              f"{args.attention_layers} layers' caches in turn")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.output:
         with open(args.output, "w") as f:

@@ -12,6 +12,7 @@ left alone: there the packed path rounds differently.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.llama import LlamaModel
@@ -44,3 +45,37 @@ def pack_model(model: LlamaModel) -> None:
                 setattr(module, name, PackedLinear(child.weight))
     if model.lm_head is None and model.has_head:  # not on a pipeline stage before the last
         model.lm_head = PackedLinear(model.embed.weight)
+
+
+# --deterministic's products take x in slices of this many rows (see FixedRowsLinear).
+FIXED_ROWS = 16
+
+
+class FixedRowsLinear(nn.Module):
+    """A linear layer whose every product has FIXED_ROWS rows (the last slice padded with
+    zeros): oneDNN and MKL may pick their kernel, and so the order of a row's sums, by the
+    shape. Without it, on a 2-core AMD EPYC, a bf16 request alone and the same request among 16
+    gave different text (test_deterministic_bf16_recovery_and_batching_give_the_same_text),
+    though the shapes tried one by one gave equal bits. Costs up to 16 rows' work for one."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        padded = F.pad(x, (0, 0, 0, -t % FIXED_ROWS))
+        return torch.cat([self.inner(rows) for rows in padded.split(FIXED_ROWS)])[:t]
+
+
+def fix_row_counts(model: LlamaModel, linear_types: tuple[type, ...]) -> None:
+    """Every linear layer of these types (and a head tied to the embedding) becomes a
+    FixedRowsLinear: --deterministic's batch-invariant products."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, linear_types):
+                setattr(module, name, FixedRowsLinear(child))
+    if model.lm_head is None and model.has_head:
+        tied = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
+        tied.weight = model.embed.weight
+        model.lm_head = FixedRowsLinear(tied)

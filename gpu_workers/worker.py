@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+from torch import nn
 
 import kernels
 from gpu_workers.devices import place
@@ -23,10 +24,10 @@ from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
 from gpu_workers.moe import take_expert_load
-from gpu_workers.packed import can_pack, pack_model
+from gpu_workers.packed import PackedLinear, can_pack, fix_row_counts, pack_model
 from gpu_workers.parallel import init_groups
 from gpu_workers.pipeline import describe_split, stage_layers
-from gpu_workers.quant import quantize_model
+from gpu_workers.quant import FP8Linear, Int4Linear, Int8Linear, quantize_model
 from kernels import matmul_cpu
 from shm.ring import RingBuffer, RingClosed
 from surge import metrics
@@ -146,6 +147,13 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
+def _fixed_rows(model: LlamaModel, prepare: Callable[[LlamaModel], None] | None) -> None:
+    """--deterministic: the model's products, packed or plain, each in fixed-shape slices."""
+    if prepare is not None:
+        prepare(model)
+    fix_row_counts(model, (nn.Linear, PackedLinear, Int8Linear, Int4Linear, FP8Linear))
+
+
 def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replica: int = 0
           ) -> tuple[ModelRunner, WorkerReady]:
     device = place(cfg.model, rank, replica)
@@ -168,6 +176,8 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     routed = ops.name == "cpu" and dtype == torch.bfloat16
     packed = not routed and cfg.model.pack_weights and can_pack(device, dtype)
     prepare = (partial(route_linears, ops=ops) if routed else pack_model if packed else None)
+    if cfg.model.deterministic:
+        prepare = partial(_fixed_rows, prepare=prepare)
     if prepare is not None:
         prepare(model)
     draft = _load_draft(cfg.speculative, model, device, dtype, prepare)

@@ -9,6 +9,7 @@ position p sees only keys p - window < i <= p; 0: no window) and a soft cap on t
 (softcap * tanh(s / softcap); 0: none).
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,11 +49,21 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, b:
                  for c in (k_cache, v_cache))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float = 0.0
-            ) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float = 0.0,
+            product: Callable = torch.matmul) -> torch.Tensor:
     """q [..., G, D] against k [..., L, D]: scaled (and soft-capped) fp32 scores [..., G, L]."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    s = product(q, k.transpose(-1, -2)).float().mul_(scale)
     return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
+
+
+def _fixed_order_matmul(a: torch.Tensor, b: torch.Tensor, rows: int = 128) -> torch.Tensor:
+    """a [..., R, K] @ b [..., K, C] with every sum taken in K order whatever R is: a BLAS
+    product picks its kernel (and so its summation order) by the shapes, which on some CPUs
+    (AMD's, under MKL) gives one row different bits alone than among others. Rows go in slices
+    of `rows` to bound the [R, C, K] products held at once."""
+    bt = b.transpose(-1, -2)[..., None, :, :]
+    return torch.cat([(a[..., i:i + rows, None, :] * bt).sum(-1)
+                      for i in range(0, a.shape[-2], rows)], dim=-2)
 
 
 def _hidden(keys: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -205,7 +216,8 @@ def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for start in range(0, int(visible.max()), tile):
         lo = 0 if chunk is None else int(torch.searchsorted(chunk, start, right=True)) * g
         keys = torch.arange(start, start + tile, device=q.device)
-        s = _scores(rows[:, :, lo:], k[:, :, start:start + tile].float(), scale, softcap)
+        s = _scores(rows[:, :, lo:], k[:, :, start:start + tile].float(), scale, softcap,
+                    _fixed_order_matmul)
         s = s.masked_fill_(_hidden(keys, seen[:, :, lo:] - 1, window), float("-inf"))
         # A tile a query cannot see leaves its sums exactly as they were (exp(0) = 1, p = 0);
         # before its window's first key (the maximum still -inf) it adds nothing either.
@@ -214,7 +226,7 @@ def fixed_order_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         p = torch.exp(s - m_safe)
         alpha = torch.exp(m[:, :, lo:] - m_safe)
         total[:, :, lo:] = total[:, :, lo:] * alpha + p.sum(-1, keepdim=True)
-        acc[:, :, lo:] = acc[:, :, lo:] * alpha + torch.matmul(
+        acc[:, :, lo:] = acc[:, :, lo:] * alpha + _fixed_order_matmul(
             p, v[:, :, start:start + tile].float())
         m[:, :, lo:] = m_new
     out = (acc / total).to(q.dtype).view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4)

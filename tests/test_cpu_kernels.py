@@ -72,6 +72,54 @@ def test_decode_attention(shape, extra, seed):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+# Contexts past the kernel's 512-key spans: a row of several spans merges them (and with a
+# window, its first visible key need not start a span).
+long_shapes = st.tuples(st.sampled_from([16, 32]), st.sampled_from([(9, 3), (8, 1)]),
+                        st.sampled_from([64, 128]),
+                        st.sampled_from([torch.float32, torch.bfloat16]),
+                        st.lists(st.integers(1, 1600), min_size=1, max_size=3))
+
+
+@settings(max_examples=12, deadline=None)
+@given(long_shapes, st.sampled_from([(0, 0.0), (700, 0.0), (0, 5.0)]), seeds)
+def test_decode_attention_over_several_spans(shape, extra, seed):
+    torch.manual_seed(seed)
+    block_size, (h, kvh), d, dtype, lengths = shape
+    k_cache, v_cache, tables, _, _ = _paged(lengths, block_size, kvh, d, num_blocks=320)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(len(lengths), h, d).to(dtype)
+    lens = torch.tensor(lengths)
+    want = _oracle(attention.decode_attention, q, k_cache, v_cache,
+                   attention.plan_decode(tables, lens, k_cache.float()), 0.125, *extra)
+    got = attention_cpu.decode_attention(q, k_cache, v_cache,
+                                         attention_cpu.plan_decode(tables, lens, k_cache), 0.125,
+                                         *extra)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_attention_does_not_depend_on_the_batch(dtype):
+    """The spans start at fixed positions and merge in order: a row alone, in a batch, and as
+    the last query of a prefill chunk give the same bits."""
+    lengths = [1300, 40, 700]
+    k_cache, v_cache, tables, _, _ = _paged(lengths, 16, 3, 64, num_blocks=160)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(3, 9, 64).to(dtype)
+    lens = torch.tensor(lengths)
+    together = attention_cpu.decode_attention(
+        q, k_cache, v_cache, attention_cpu.plan_decode(tables, lens, k_cache), 0.125)
+    for i in range(3):
+        alone = attention_cpu.decode_attention(
+            q[i:i + 1], k_cache, v_cache,
+            attention_cpu.plan_decode(tables[i:i + 1], lens[i:i + 1], k_cache), 0.125)
+        assert torch.equal(alone[0], together[i])
+    chunk = torch.cat([torch.randn(2, 9, 64).to(dtype), q[:1]])
+    prefill = attention_cpu.prefill_attention(chunk, k_cache, v_cache, tables[:1],
+                                              torch.tensor([0, 3]), lens[:1], 3, 0.125)
+    assert torch.equal(prefill[2], together[0])
+
+
 @settings(max_examples=30, deadline=None)
 @given(shapes, extras, seeds, st.data())
 def test_prefill_attention_with_cached_context(shape, extra, seed, data):

@@ -85,3 +85,24 @@ def test_packed_and_plain_greedy_tokens_agree_with_float32(models, engine_model,
     for label, names in agreeing.items():
         assert len(names) > len(prompts) // 2, (label, names)
     assert len(agreeing["packed"]) >= len(agreeing["plain"]) - 2, agreeing
+
+
+@pytest.mark.parametrize("inner", ["plain", "packed"])
+def test_fixed_rows_give_a_row_the_same_bits_in_any_batch(inner):
+    """--deterministic's products: a row alone, among 5 others, and among 40 (three slices, the
+    last padded) gives the same bits and the rows keep their order."""
+    from torch import nn
+
+    from gpu_workers.packed import FIXED_ROWS, FixedRowsLinear
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).bfloat16()
+    plain = nn.Linear(64, 96, bias=False)
+    plain.weight = nn.Parameter(weight)
+    layer = FixedRowsLinear(plain if inner == "plain" else PackedLinear(weight))
+    x = torch.randn(40, 64).bfloat16()
+    alone = layer(x[7:8])
+    assert alone.shape == (1, 96)
+    assert torch.equal(layer(x[2:8])[-1], alone[0])
+    assert torch.equal(layer(x)[7], alone[0]) and layer(x).shape == (40, 96)
+    assert 40 % FIXED_ROWS  # the last slice is padded
