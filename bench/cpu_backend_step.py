@@ -4,8 +4,11 @@ the models stepped alternately in one process so both see the same load. bf16: t
 norms and bf16 products: AMX tiles where the CPU has them); int4 / int8: PyTorch's low-bit
 operators vs the C++ int4 / int8 products.
 
+With --against layers the baseline is the cpu backend itself, its layers called one by one
+from Python, against one decoder_layer call a layer (gpu_workers/fused.py).
+
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_backend_step [--batches 1,4,64]
-       [--steps 12] [--modes bf16,int4,int8]
+       [--steps 12] [--modes bf16,int4,int8] [--against reference|layers]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 import kernels
 from bench.packed_weights import cpu_kind, decoding_engine, step_times
+from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
@@ -26,8 +30,9 @@ from gpu_workers.quant import quantize_model
 from surge.model_files import resolve_model
 
 
-def load(mode: str, backend: str) -> LlamaModel:
-    """The bundled model as the worker prepares it for this mode and kernel backend."""
+def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
+    """The bundled model as the worker prepares it for this mode and kernel backend (fused:
+    one decoder_layer call a layer where the backend has it)."""
     model = load_model(resolve_model("default"), torch.device("cpu"), torch.bfloat16,
                        keep_q4_1=mode == "int4")
     model.ops = kernels.for_device(torch.device("cpu"), backend)
@@ -35,6 +40,8 @@ def load(mode: str, backend: str) -> LlamaModel:
         quantize_model(model, mode, 32, ops=model.ops)
     if backend == "cpu":
         route_linears(model, model.ops)
+        if fused:
+            fuse_layers(model)
     else:
         pack_model(model)
     return model
@@ -47,15 +54,19 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--modes", default="bf16,int4")
+    parser.add_argument("--against", default="reference", choices=("reference", "layers"),
+                        help="the baseline: the reference kernels, or the cpu backend's layers "
+                             "called one by one from Python (no decoder_layer)")
     opts = parser.parse_args()
     print(f"{cpu_kind()}, {torch.get_num_threads()} threads, load average "
           f"{os.getloadavg()[0]:.1f}")
     for mode in opts.modes.split(","):
-        models = {backend: load(mode, backend) for backend in ("reference", "cpu")}
+        models = {"reference": load(mode, "reference") if opts.against == "reference"
+                  else load(mode, "cpu", fused=False), "cpu": load(mode, "cpu")}
         for batch in (int(b) for b in opts.batches.split(",")):
             t = step_times({name: decoding_engine(m, batch, opts.context)
                             for name, m in models.items()}, opts.steps)
-            print(f"{mode} batch {batch:3d} at context ~{opts.context}: step reference "
+            print(f"{mode} batch {batch:3d} at context ~{opts.context}: step {opts.against} "
                   f"{t['reference'] * 1e3:.1f} ms, cpu {t['cpu'] * 1e3:.1f} ms "
                   f"(cpu {t['reference'] / t['cpu']:.2f}x)")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")

@@ -2,6 +2,7 @@
 --context tokens decoding, profiled with torch.profiler; the table is sorted by self time.
 
 Usage: .venv/bin/python -m bench.profile_step [--batch 64] [--context 192] [--no-pack]
+       [--kernel-backend cpu]   (bf16 as the worker prepares it; --no-pack is for the reference)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.cpu_backend_step import load
 from gpu_workers.loader import load_model
 from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.worker import pick_dtype
@@ -30,12 +32,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-pack", action="store_true", help="plain (not oneDNN-packed) weights")
+    parser.add_argument("--kernel-backend", default="reference", choices=("reference", "cpu"))
     opts = parser.parse_args()
     dtype = pick_dtype(ModelConfig(dtype=opts.dtype), torch.device("cpu"))
-    model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
-    packed = not opts.no_pack and can_pack(torch.device("cpu"), dtype)
-    if packed:
-        pack_model(model)
+    packed = False
+    if opts.kernel_backend == "cpu":
+        dtype, model = torch.bfloat16, load("bf16", "cpu")
+    else:
+        model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
+        packed = not opts.no_pack and can_pack(torch.device("cpu"), dtype)
+        if packed:
+            pack_model(model)
     engine = InProcessEngine(model, num_blocks=4096, max_num_seqs=opts.batch,
                              max_num_batched_tokens=opts.batch * opts.context)
     for i in range(opts.batch):
@@ -54,7 +61,8 @@ def main() -> int:
             times.append(time.perf_counter() - started)
             sched.update(plan, result)
     step = statistics.median(times)
-    print(f"{dtype}{' packed' if packed else ''}, {torch.get_num_threads()} threads: "
+    print(f"{dtype}{' packed' if packed else ''}, {opts.kernel_backend} kernels, "
+          f"{torch.get_num_threads()} threads: "
           f"batch {opts.batch} at context "
           f"~{opts.context}: step {step * 1000:.1f} ms median (profiled) = "
           f"{opts.batch / step:.0f} tok/s")

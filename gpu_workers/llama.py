@@ -244,6 +244,8 @@ class LlamaModel(nn.Module):
         self.rope = torch.empty(0)  # [tables, positions, 2 * head_dim], see init_rope
         # The kernel backend every layer runs on (the worker picks it: kernels.for_device).
         self.ops = kernels.REFERENCE
+        # Each layer's weights for ops.decoder_layer, one call a layer (gpu_workers/fused.py).
+        self.fused: list[tuple] | None = None
 
     def init_rope(self) -> None:
         """Build the rotary tables (float32, on the weights' device: the global one, and Gemma 3's
@@ -270,14 +272,20 @@ class LlamaModel(nn.Module):
                 # Rounded to the weights' dtype first, as Hugging Face's Gemma does.
                 x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype).item()
         ropes = [kernels.rotary_angles(positions, table) for table in self.rope]
-        # Every layer's decode attention reads the same blocks of its own cache: planned once.
         ops = self.ops
-        decode = (ops.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
+        if self.fused is not None and not meta.fixed_order:
+            from gpu_workers.fused import run_layers
+
+            x, residual = run_layers(self, x, residual, ropes, meta, kv_caches)
+        else:
+            # Every layer's decode attention reads the same blocks of its own cache: planned
+            # once.
+            decode = (ops.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches[0, 0], meta.decode_shared_blocks)
-                  if meta.num_decode and not meta.fixed_order else None)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, ropes[layer.rope_table], meta, decode, kv_cache,
-                                ops)
+                      if meta.num_decode and not meta.fixed_order else None)
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, ropes[layer.rope_table], meta, decode,
+                                    kv_cache, ops)
         if not self.stage.last:
             return torch.stack((x, residual))
         x, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)

@@ -19,6 +19,7 @@ import kernels
 from gpu_workers.devices import place
 from gpu_workers.draft import shares_layers, truncated
 from gpu_workers.families import read_family
+from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
@@ -197,8 +198,10 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
         # cuBLAS picks its reduction order by the batch's shape; only the CPU path is invariant.
         raise ValueError("--deterministic runs on the CPU only; drop it or use --device cpu")
     model.ops = ops
+    fused = fuse_layers(model)
     if draft is not None:
         draft.ops = ops
+        fuse_layers(draft)
     # Not with pipeline stages: a step's forward there waits on its neighbours (not captured).
     graphs = (min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)
               if cuda and stage.size == 1 else 0)
@@ -224,6 +227,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed else ''}"
                    f"{f' (C++ products up to {matmul_cpu.max_rows()} rows)' if routed else ''}"
+                   f"{', one call a layer' if fused else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "

@@ -50,6 +50,9 @@ class Kernels:
     silu_mul: Callable
     # Rotary on queries and keys, then keys and values into the cache (see rotate_and_store).
     rotate_and_store: Callable
+    # A whole Llama-shaped decoder layer in one call (gpu_workers/fused.py), where the backend
+    # has one (cpu); None: the model calls the kernels above one by one.
+    decoder_layer: Callable | None = None
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -72,11 +75,16 @@ def backend(name: str, reason: str) -> Kernels:
                 return getattr(own, kernel)
         return getattr(importlib.import_module(f"kernels.{module}"), kernel)
 
+    def own(kernel: str, module: str) -> Callable | None:
+        """A kernel only some backends have (none in the reference)."""
+        spec = importlib.util.find_spec(f"kernels.{module}_{name}")
+        return spec and getattr(importlib.import_module(f"kernels.{module}_{name}"), kernel, None)
+
     found = {k: find(k, m) for k, m in _MODULES.items()}
-    fused = importlib.util.find_spec(f"kernels.rotary_{name}") and getattr(
-        importlib.import_module(f"kernels.rotary_{name}"), "rotate_and_store", None)
-    return Kernels(name, reason, **found, rotate_and_store=fused or partial(
-        rotate_and_store, found["apply_rotary_"], found["store_kv"]))
+    return Kernels(name, reason, **found,
+                   rotate_and_store=own("rotate_and_store", "rotary") or partial(
+                       rotate_and_store, found["apply_rotary_"], found["store_kv"]),
+                   decoder_layer=own("decoder_layer", "layer"))
 
 
 def rotate_and_store(rotate: Callable, store: Callable, qk: torch.Tensor, v: torch.Tensor,

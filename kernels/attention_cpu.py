@@ -36,11 +36,18 @@ def prefill_attention(
     block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
     max_query_len: int, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
+    seq_of, visible = prefill_rows(query_start, context_lens)
+    return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale,
+                                       window, softcap)
+
+
+def prefill_rows(query_start: torch.Tensor, context_lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prefill token's chunk (its table row) and how many keys it sees."""
     lens = query_start[1:] - query_start[:-1]
-    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
     # Token j of chunk i is at position context_lens[i] - (query_start[i + 1] - j), and sees
     # every key up to and including it.
     visible = context_lens[seq_of] - query_start[1:][seq_of] + 1 + torch.arange(
-        q.shape[0], device=q.device)
-    return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale,
-                                       window, softcap)
+        len(seq_of), device=lens.device)
+    return seq_of, visible

@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
+from gpu_workers.quant import quantize_model
 from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu
 from kernels import matmul as matmul_ref
 from kernels.cpu import extension
@@ -150,12 +152,16 @@ def test_rms_norms(dtype, width):
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 def test_the_model_on_the_cpu_backend_keeps_the_reference_tokens(engine_model, tokenizer,
-                                                                  reference):
+                                                                  reference, fused):
     """Greedy tokens in float32 through the C++ kernels, with chunked prefill and strangers in
-    the batch, are transformers' own (four of the reference prompts, to stay quick)."""
+    the batch, are transformers' own (four of the reference prompts, to stay quick): layer by
+    layer, and one decoder_layer call a layer."""
     prompts = dict(list(reference_prompts(tokenizer).items())[:4])
     engine_model.ops = kernels.for_device(torch.device("cpu"), "cpu")
+    if fused:
+        assert fuse_layers(engine_model)
     try:
         engine = InProcessEngine(engine_model, max_num_batched_tokens=37)
         for name, ids in prompts.items():
@@ -164,9 +170,35 @@ def test_the_model_on_the_cpu_backend_keeps_the_reference_tokens(engine_model, t
             engine.add(f"stranger{i}", [100 + 7 * j for j in range(n)], 20)
         got = engine.run()
     finally:
-        engine_model.ops = kernels.REFERENCE
+        engine_model.ops, engine_model.fused = kernels.REFERENCE, None
     for name, ids in prompts.items():
         assert got[name] == reference.greedy(ids, 32), name
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_one_call_a_layer_gives_the_layer_by_layer_tokens(model_files, tokenizer, quantization):
+    """bf16 as the worker prepares it (C++ products, int4/int8 ones where quantized): the fused
+    layers call the same kernels on the same rows, and each row's attention does not depend on
+    the rows beside it, so chunked prefill, strangers and decode give the same tokens."""
+    ops = kernels.for_device(torch.device("cpu"), "cpu")
+    model = load_model(model_files, torch.device("cpu"), torch.bfloat16,
+                       keep_q4_1=quantization == "int4")
+    model.ops = ops
+    if quantization != "none":
+        quantize_model(model, quantization, 32, ops=ops)
+    route_linears(model, ops)
+    prompts = dict(list(reference_prompts(tokenizer).items())[:3])
+    runs = []
+    for fused in (False, True):
+        model.fused = None
+        assert fuse_layers(model) if fused else True
+        engine = InProcessEngine(model, max_num_batched_tokens=29)
+        for name, ids in prompts.items():
+            engine.add(name, ids, 12)
+        for i, n in enumerate((1, 40)):
+            engine.add(f"stranger{i}", [100 + 7 * j for j in range(n)], 8)
+        runs.append(engine.run())
+    assert runs[0] == runs[1]
 
 
 @settings(max_examples=40, deadline=None)
@@ -210,8 +242,7 @@ def test_amx_is_found_where_the_cpu_has_it():
 def test_linear_takes_the_cpp_products_up_to_their_row_counts():
     weight = torch.randn(40, 64).bfloat16()
     cpp_rows = matmul_cpu.max_rows()
-    for rows in (1, matmul_cpu.SMALL_M_ROWS, matmul_cpu.SMALL_M_ROWS + 1, cpp_rows,
-                 cpp_rows + 1):
+    for rows in (1, 4, 5, cpp_rows, cpp_rows + 1):  # the vector product takes up to 4
         x = torch.randn(rows, 64).bfloat16()
         if rows > cpp_rows:
             want = torch.nn.functional.linear(x, weight)

@@ -19,6 +19,17 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales, const torch::Tensor& mins);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales);
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
+int64_t cpp_rows();
+std::vector<torch::Tensor> decoder_layer(
+    const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
+    const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,
+    const std::vector<torch::Tensor>& o, const torch::Tensor& mlp_norm,
+    const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
+    const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
+    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t heads, double eps,
+    double scale, int64_t window, double softcap);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one row per query");
@@ -31,5 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
   m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");
+  m.def("linear", &linear, "x W^T on the fastest product for its rows (C++ or oneDNN)");
+  m.def("cpp_rows", &cpp_rows, "the most rows of x that linear gives to the C++ products");
+  m.def("decoder_layer", &decoder_layer, "a Llama-shaped decoder layer in one call");
   m.def("gemv_isa", &gemv_isa, "the instruction set small_m_linear was built for");
 }

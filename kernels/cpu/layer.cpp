@@ -1,0 +1,98 @@
+// A decoder layer of the Llama shape in one call, for the cpu backend (kernels/layer_cpu.py):
+// the same kernels the Python layer (gpu_workers/llama.py) calls one by one, without a return
+// to Python between them. At one token a step, a small model's layer spends more time in those
+// returns (module calls, views, argument checks) than in its products.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+// The kernels it strings together (the other files of this extension).
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_of, const torch::Tensor& visible,
+                              double scale, int64_t window, double softcap);
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                        const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight);
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
+bool amx_available();
+torch::Tensor silu_mul(const torch::Tensor& x);
+void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
+                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                      const torch::Tensor& slots);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scales, const torch::Tensor& mins);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scales);
+
+// Up to this many rows the vector product (gemv.cpp), which reads W once at the memory's pace,
+// beats oneDNN; past it oneDNN's blocked GEMM, which reuses each W tile over many rows, wins.
+constexpr int64_t kSmallRows = 4;
+// AMX tiles read W in its plain layout at any row count, but past this many rows each W tile
+// passes over more of x than the cache holds, and oneDNN's blocking wins (prefill chunks). For
+// one row the vector product is faster: a tile pass computes 16 rows, 15 of them zeros.
+constexpr int64_t kAmxRows = 128;
+
+// x W^T on the product that is fastest for its rows (bench.cpu_kernels_bench): bf16 on AMX
+// tiles from 2 to kAmxRows rows where the CPU has them, the vector product up to kSmallRows
+// rows, oneDNN otherwise (and for other dtypes).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    static const bool amx = amx_available();
+    const int64_t rows = x.size(0);
+    if (amx && rows > 1 && rows <= kAmxRows && x.size(1) % 32 == 0) return amx_linear(x, weight);
+    if (rows <= kSmallRows) return small_m_linear(x, weight);
+  }
+  return at::linear(x, weight);
+}
+
+// The most rows of x that linear() gives to the C++ products.
+int64_t cpp_rows() { return amx_available() ? kAmxRows : kSmallRows; }
+
+namespace {
+
+// A projection's weights: [W] (plain), [q, scales] (int8) or [packed, scales, mins] (int4).
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+  switch (w.size()) {
+    case 1: return ::linear(x, w[0]);
+    case 2: return int8_linear(x, w[0], w[1]);
+    case 3: return int4_linear(x, w[0], w[1], w[2]);
+    default: TORCH_CHECK(false, "a projection is [W], [q, scales] or [packed, scales, mins]");
+  }
+}
+
+}  // namespace
+
+// x [T, hidden], residual (None before the first layer) -> (x, residual) for the next layer:
+// norm, qkv, rotary with the K/V store, paged attention over every row (rows: their tables
+// row seq_of and visible keys, decode and prefill alike), o, norm, gate_up, SiLU * up, down.
+std::vector<torch::Tensor> decoder_layer(
+    const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
+    const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,
+    const std::vector<torch::Tensor>& o, const torch::Tensor& mlp_norm,
+    const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
+    const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
+    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t heads, double eps,
+    double scale, int64_t window, double softcap) {
+  torch::Tensor h, res;
+  if (residual) {
+    auto normed = add_rms_norm(x, *residual, input_norm, eps);
+    h = normed[0];
+    res = normed[1];
+  } else {
+    h = rms_norm(x, input_norm, eps);
+    res = x;
+  }
+  const int64_t t = x.size(0), kv_heads = k_cache.size(0), dim = k_cache.size(3);
+  auto q_k_v = project(h, qkv).view({t, heads + 2 * kv_heads, dim});
+  rotate_and_store(q_k_v.narrow(1, 0, heads + kv_heads),
+                   q_k_v.narrow(1, heads + kv_heads, kv_heads), cos, sin, k_cache, v_cache,
+                   slots);
+  auto attended = paged_attention(q_k_v.narrow(1, 0, heads), k_cache, v_cache, tables, seq_of,
+                                  visible, scale, window, softcap);
+  auto normed = add_rms_norm(project(attended.view({t, heads * dim}), o), res, mlp_norm, eps);
+  return {project(silu_mul(project(normed[0], gate_up)), down), normed[1]};
+}
