@@ -13,6 +13,11 @@ namespace {
 
 // Output features per task: their W vectors stay in registers while x's rows pass over them.
 constexpr int64_t kRows = 4;
+// Bytes ahead of each W row's loads that are prefetched: a decode step streams every weight
+// from memory, and four short interleaved rows a task do not wake the hardware prefetcher
+// early enough (a model's worth of 576 x 3072 weights at one row: 1.2x with it, on a par with
+// oneDNN's packed GEMV; 1 KB and 2 KB ahead gained less, 8 KB no more).
+constexpr int64_t kAhead = 4096;
 // x rows per pass: kRows x kTile accumulators (16) + kRows W vectors + one x vector fit in the
 // 32 AVX-512 registers.
 constexpr int64_t kTile = 4;
@@ -34,6 +39,8 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[kRows];
+    for (int64_t r = 0; r < kRows; ++r)  // past a row's end this reads ahead into the next
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * ldw + k) + kAhead, _MM_HINT_T0);
     for (int64_t r = 0; r < kRows; ++r)
       wv[r] = r < rows ? load32(w + r * ldw, k, K) : (__m512bh)_mm512_setzero_si512();
     for (int64_t m = 0; m < tile; ++m) {
