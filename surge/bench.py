@@ -149,9 +149,11 @@ def engine_stats(url: str, after: float | None = None, headers: dict | None = No
             stats = _get_json(f"{url}/stats", headers or {})
         except (OSError, ValueError):
             return None
-        # Empty until the scheduler's first report, a moment after the server is ready.
-        if stats and (after is None or stats["time"] >= after) or time.monotonic() > deadline:
-            return stats or None
+        # Without a time until the scheduler's first report, a moment after the server is
+        # ready; past the deadline a stale report is no answer either.
+        fresh = "time" in stats and (after is None or stats["time"] >= after)
+        if fresh or time.monotonic() > deadline:
+            return stats if fresh else None
         time.sleep(0.2)
 
 

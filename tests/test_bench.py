@@ -231,3 +231,18 @@ def test_bench_sends_text_to_other_servers_and_chats(fake_server, tokenizer, cap
     assert ttft_p50 >= TTFT_S * 1000 - 5, row
     assert main(["bench", "--url", url, "--endpoint", "chat", "--prompt-format", "tokens",
                  "--no-progress"]) == 2
+
+
+def test_engine_stats_waits_for_the_first_report_and_refuses_a_stale_one(monkeypatch):
+    """/stats has no time until the scheduler's first report (a moment after ready): that is
+    waited for, not returned; past the deadline a report older than asked for gives None."""
+    from surge import bench
+
+    replies = iter([{}, {"type": "EngineStats"}, {"time": 5.0, "steps": 1}])
+    monkeypatch.setattr(bench, "_get_json", lambda url, headers: next(replies))
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    assert bench.engine_stats("http://127.0.0.1:1")["time"] == 5.0
+    clock = iter([0.0, 1.0, 10.0])
+    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(bench, "_get_json", lambda url, headers: {"time": 5.0})
+    assert bench.engine_stats("http://127.0.0.1:1", after=6.0) is None

@@ -2,30 +2,7 @@
 // the same kernels the Python layer (gpu_workers/llama.py) calls one by one, without a return
 // to Python between them. At one token a step, a small model's layer spends more time in those
 // returns (module calls, views, argument checks) than in its products.
-#include <torch/extension.h>
-
-#include <optional>
-#include <vector>
-
-// The kernels it strings together (the other files of this extension).
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& seq_of, const torch::Tensor& visible,
-                              double scale, int64_t window, double softcap);
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                        const torch::Tensor& weight, double eps);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
-bool amx_available();
-torch::Tensor silu_mul(const torch::Tensor& x);
-void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
-                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                      const torch::Tensor& slots);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales, const torch::Tensor& mins);
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales);
+#include "kernels.h"
 
 // Up to this many rows the vector product (gemv.cpp), which reads W once at the memory's pace,
 // beats oneDNN; past it oneDNN's blocked GEMM, which reuses each W tile over many rows, wins.
