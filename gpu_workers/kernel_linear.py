@@ -21,9 +21,5 @@ class KernelLinear(nn.Module):
 
 def route_linears(model: LlamaModel, ops: Kernels) -> None:
     """Every bias-free nn.Linear, and a head tied to the embedding, runs on ops.linear."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, name, KernelLinear(child.weight.detach(), ops))
-    if model.lm_head is None and model.has_head:  # not on a pipeline stage before the last
-        model.lm_head = KernelLinear(model.embed.weight.detach(), ops)
+    model.replace_linears(lambda m: isinstance(m, nn.Linear) and m.bias is None,
+                          lambda m: KernelLinear(m.weight.detach(), ops))

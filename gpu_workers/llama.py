@@ -5,6 +5,8 @@ from the checkpoint by gpu_workers/families.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import torch
 import torch.nn.functional as F
@@ -246,6 +248,21 @@ class LlamaModel(nn.Module):
         self.ops = kernels.REFERENCE
         # Each layer's weights for ops.decoder_layer, one call a layer (gpu_workers/fused.py).
         self.fused: list[tuple] | None = None
+
+    def replace_linears(self, match: Callable[[nn.Module], bool],
+                        make: Callable[[nn.Module], nn.Module]) -> None:
+        """Every module `match` accepts becomes make(module); so does a head tied to the
+        embedding, given to make as a bias-free Linear over the embedding's own weight."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if match(child):
+                    setattr(module, name, make(child))
+        if self.lm_head is None and self.has_head:  # not on a pipeline stage before the last
+            assert self.embed is not None
+            tied = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
+                             device="meta")
+            tied.weight = self.embed.weight
+            self.lm_head = make(tied)
 
     def init_rope(self) -> None:
         """Build the rotary tables (float32, on the weights' device: the global one, and Gemma 3's

@@ -39,12 +39,8 @@ class PackedLinear(nn.Module):
 def pack_model(model: LlamaModel) -> None:
     """Every bias-free nn.Linear becomes a PackedLinear; a head tied to the embedding gets a
     packed copy of its own (the embedding lookup still reads the plain table)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, name, PackedLinear(child.weight))
-    if model.lm_head is None and model.has_head:  # not on a pipeline stage before the last
-        model.lm_head = PackedLinear(model.embed.weight)
+    model.replace_linears(lambda m: isinstance(m, nn.Linear) and m.bias is None,
+                          lambda m: PackedLinear(m.weight))
 
 
 # --deterministic's products take x in slices of this many rows (see FixedRowsLinear).
@@ -71,11 +67,4 @@ class FixedRowsLinear(nn.Module):
 def fix_row_counts(model: LlamaModel, linear_types: tuple[type, ...]) -> None:
     """Every linear layer of these types (and a head tied to the embedding) becomes a
     FixedRowsLinear: --deterministic's batch-invariant products."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, linear_types):
-                setattr(module, name, FixedRowsLinear(child))
-    if model.lm_head is None and model.has_head:
-        tied = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
-        tied.weight = model.embed.weight
-        model.lm_head = FixedRowsLinear(tied)
+    model.replace_linears(lambda m: isinstance(m, linear_types), FixedRowsLinear)

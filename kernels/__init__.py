@@ -68,19 +68,13 @@ _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attenti
 
 def backend(name: str, reason: str) -> Kernels:
     """The named backend's bundle (reference, cpu or triton)."""
-    def find(kernel: str, module: str) -> Callable:
-        if name != "reference" and importlib.util.find_spec(f"kernels.{module}_{name}"):
-            own = importlib.import_module(f"kernels.{module}_{name}")
-            if hasattr(own, kernel):
-                return getattr(own, kernel)
-        return getattr(importlib.import_module(f"kernels.{module}"), kernel)
-
     def own(kernel: str, module: str) -> Callable | None:
-        """A kernel only some backends have (none in the reference)."""
+        """The backend's own kernel, if it has one (the reference has no *_reference module)."""
         spec = importlib.util.find_spec(f"kernels.{module}_{name}")
         return spec and getattr(importlib.import_module(f"kernels.{module}_{name}"), kernel, None)
 
-    found = {k: find(k, m) for k, m in _MODULES.items()}
+    found = {k: own(k, m) or getattr(importlib.import_module(f"kernels.{m}"), k)
+             for k, m in _MODULES.items()}
     return Kernels(name, reason, **found,
                    rotate_and_store=own("rotate_and_store", "rotary") or partial(
                        rotate_and_store, found["apply_rotary_"], found["store_kv"]),
