@@ -2,7 +2,8 @@
 --context tokens decoding, profiled with torch.profiler; the table is sorted by self time.
 
 Usage: .venv/bin/python -m bench.profile_step [--batch 64] [--context 192] [--no-pack]
-       [--kernel-backend cpu]   (bf16 as the worker prepares it; --no-pack is for the reference)
+       [--kernel-backend cpu [--quantization int4]]
+       (bf16 as the worker prepares it; --no-pack is for the reference)
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-pack", action="store_true", help="plain (not oneDNN-packed) weights")
     parser.add_argument("--kernel-backend", default="reference", choices=("reference", "cpu"))
+    parser.add_argument("--quantization", default="none", choices=("none", "int4", "int8"),
+                        help="with --kernel-backend cpu: the C++ low-bit products")
     opts = parser.parse_args()
     dtype = pick_dtype(ModelConfig(dtype=opts.dtype), torch.device("cpu"))
     packed = False
     if opts.kernel_backend == "cpu":
-        dtype, model = torch.bfloat16, load("bf16", "cpu")
+        mode = "bf16" if opts.quantization == "none" else opts.quantization
+        dtype, model = torch.bfloat16, load(mode, "cpu")
     else:
         model = load_model(resolve_model("default"), torch.device("cpu"), dtype)
         packed = not opts.no_pack and can_pack(torch.device("cpu"), dtype)
@@ -62,6 +66,7 @@ def main() -> int:
             sched.update(plan, result)
     step = statistics.median(times)
     print(f"{dtype}{' packed' if packed else ''}, {opts.kernel_backend} kernels, "
+          f"quantization {opts.quantization}, "
           f"{torch.get_num_threads()} threads: "
           f"batch {opts.batch} at context "
           f"~{opts.context}: step {step * 1000:.1f} ms median (profiled) = "

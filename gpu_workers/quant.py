@@ -68,7 +68,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scales = quantize_int8(weight)
         self.ops = ops
-        self.cpp = ops.name == "cpu" and weight.shape[1] % 16 == 0  # whole vectors of K
+        self.cpp = ops.name == "cpu" and weight.shape[1] % 32 == 0  # whole blocks of 32 columns
         self.q = nn.Buffer(q)
         self.scales = nn.Buffer(scales if self.cpp else scales.to(weight.dtype))
         self.fast = _has_op("_weight_int8pack_mm", weight.device)

@@ -372,13 +372,13 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 20), st.integers(1, 12), st.integers(1, 50),
        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
-def test_int8_linear_is_the_dequantized_product(m, sixteens, n, dtype, seed):
+def test_int8_linear_is_the_dequantized_product(m, blocks, n, dtype, seed):
     """Against the float64 product of the dequantized weight: the per-row scales reach the
     sums unrounded (fp32), whatever the rows, widths and activation dtype."""
     from gpu_workers.quant import quantize_int8
 
     torch.manual_seed(seed)
-    k = 16 * sixteens
+    k = 32 * blocks
     q, scales = quantize_int8(torch.randn(n, k))
     x = torch.randn(m, k).to(dtype)
     got = matmul_cpu.int8_linear(x, q, scales)
@@ -390,6 +390,28 @@ def test_int8_linear_is_the_dequantized_product(m, sixteens, n, dtype, seed):
     assert ((got.double() - exact).abs() <= bound).all()
     torch.testing.assert_close(got, matmul_ref.int8_linear(x, q, scales), rtol=2**-7,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
+    """Up to 4 rows dequantize W into registers, more through a buffer: both give each row
+    the same fp32 weights summed in the same order (a decode row's bits do not depend on
+    whether a prefill shares its step)."""
+    from gpu_workers.quant import quantize_int8
+
+    torch.manual_seed(0)
+    n, k = 37, 3 * 64
+    w = torch.randn(n, k)
+    if quantization == "int4":
+        q = torch.randint(0, 16, (n, k))
+        weights = (matmul_ref.pack_q4(q), torch.rand(n, k // 32) * 0.1, -torch.rand(n, k // 32))
+        product = matmul_cpu.int4_linear
+    else:
+        weights, product = quantize_int8(w), matmul_cpu.int8_linear
+    x = torch.randn(11, k).bfloat16()
+    batch = product(x, *weights)
+    for rows in (slice(0, 1), slice(3, 5), slice(7, 10), slice(7, 11)):
+        assert torch.equal(product(x[rows], *weights), batch[rows])
 
 
 def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():

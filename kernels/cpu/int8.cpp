@@ -6,25 +6,31 @@
 
 namespace {
 
-// W rows [n, n + rows) in fp32 into buf [rows][K]; K is a multiple of 16.
-void dequantize(const int8_t* q, const float* scales, int64_t n, int64_t rows, int64_t K,
-                float* buf) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int8_t* qr = q + (n + r) * K;
-    const float s = scales[n + r];
-    float* out = buf + r * K;
-#if defined(__AVX512F__)
-    const __m512 vs = _mm512_set1_ps(s);
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(qr + k)));
-      _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), vs));
-    }
-#else
-    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(qr[k]) * s;
-#endif
+// W = q * scale, q int8 [N, K], scales [N] in fp32.
+struct Int8W {
+  const int8_t* q;
+  const float* scales;
+  int64_t K;
+
+  // The cache line of W[n, k:k+32], once a line.
+  void prefetch(int64_t n, int64_t k) const {
+    if (k % 64 == 0) __builtin_prefetch(q + n * K + k);
   }
-}
+#if defined(__AVX512F__)
+  void load32(int64_t n, int64_t k, __m512& lo, __m512& hi) const {
+    const int8_t* p = q + n * K + k;
+    const __m512 s = _mm512_set1_ps(scales[n]);
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
+  }
+#else
+  void load32(int64_t n, int64_t k, float* out) const {
+    for (int64_t i = 0; i < 32; ++i) out[i] = static_cast<float>(q[n * K + k + i]) * scales[n];
+  }
+#endif
+};
 
 }  // namespace
 
@@ -37,7 +43,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                   scales.size(0) == q.size(0),
               "int8_linear: CPU tensors, scales [N]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % 16 == 0, "int8_linear: K a multiple of 16");
+  TORCH_CHECK(K % 32 == 0, "int8_linear: K a multiple of 32");
   auto xf = x.to(at::kFloat).contiguous();
   auto qc = q.contiguous();
   auto sc = scales.to(at::kFloat).contiguous();
@@ -46,10 +52,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                                   [&] {
     const int8_t* qp = qc.data_ptr<int8_t>();
     const float* sp = sc.data_ptr<float>();
-    dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(),
-                     [&](int64_t n, int64_t rows, float* buf) {
-                       dequantize(qp, sp, n, rows, K, buf);
-                     });
+    dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), Int8W{qp, sp, K});
   });
   return out;
 }
