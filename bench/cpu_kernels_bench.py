@@ -118,7 +118,7 @@ def main() -> None:
         weight = torch.randn(n, k).bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         q, scales, zeros = quantize_int4(weight, 32)
-        q4 = (pack_q4(q), scales, zeros - 8 * scales)
+        q4 = ext.int4_pack(pack_q4(q), scales, zeros - 8 * scales)
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             fns = {
@@ -126,7 +126,7 @@ def main() -> None:
                 "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
                     x, p, None, "none", [], ""),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
-                "int4": lambda x=x, q4=q4: ext.int4_linear(x, *q4),
+                "int4": lambda x=x, q4=q4: ext.int4_linear(x, q4),
             }
             if amx and k % 32 == 0:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)

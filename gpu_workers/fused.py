@@ -41,13 +41,14 @@ def layer_weights(layer: DecoderLayer) -> tuple | None:
 
 
 def _projection(module: nn.Module) -> list[torch.Tensor] | None:
-    """[W], [q, scales] (int8) or [packed, scales, mins] (int4): what the C++ products read."""
+    """[W], [q, scales] (int8) or [the uint8 blob pack_int4 made] (int4): what the C++
+    products read."""
     if isinstance(module, KernelLinear) or isinstance(module, nn.Linear) and module.bias is None:
         return [module.weight]
     if isinstance(module, Int8Linear) and module.cpp:
         return [module.q, module.scales]
     if isinstance(module, Int4Linear) and module.cpp:
-        return [module.packed, module.scales, module.mins]
+        return [module.packed]
     return None
 
 

@@ -83,9 +83,10 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """On the C++ backend (groups of a multiple of 32) the nibbles stay in Q4_1's order with
-    fp32 steps and minimums (a GGUF's fp16 ones exactly) for kernels/cpu/int4.cpp; elsewhere
-    PyTorch's int4 operators, which take their scales and offsets in the activations' dtype."""
+    """On a backend with its own int4 product (cpu, groups of a multiple of 32) the nibbles keep
+    Q4_1's grid with fp32 steps and minimums (a GGUF's fp16 ones exactly), in the layout its
+    pack_int4 makes; elsewhere PyTorch's int4 operators, which take their scales and offsets in
+    the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None,
                  ops: Kernels = kernels.REFERENCE) -> None:
@@ -94,10 +95,9 @@ class Int4Linear(nn.Module):
         self.ops = ops
         q, scales, zeros = quantize_int4(weight, group, grid)
         # The C++ product reads whole Q4_1 blocks; other groups take PyTorch's operator.
-        self.cpp = ops.name == "cpu" and group % Q4_BLOCK == 0
+        self.cpp = ops.int4_linear is not None and group % Q4_BLOCK == 0
         if self.cpp:
-            self.packed = nn.Buffer(pack_q4(q))
-            self.scales, self.mins = nn.Buffer(scales), nn.Buffer(zeros - 8 * scales)
+            self.packed = nn.Buffer(ops.pack_int4(pack_q4(q), scales, zeros - 8 * scales))
             return
         # [K / group, N, 2]: the layout both operators read their scales and offsets in.
         self.scales_zeros = nn.Buffer(
@@ -111,7 +111,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if self.cpp:
-            return self.ops.int4_linear(x, self.packed, self.scales, self.mins)
+            return self.ops.int4_linear(x, self.packed)
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
                                                       self.scales_zeros)

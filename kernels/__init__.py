@@ -45,7 +45,6 @@ class Kernels:
     apply_rotary_: Callable
     fused_moe: Callable
     linear: Callable
-    int4_linear: Callable
     int8_linear: Callable
     silu_mul: Callable
     # Rotary on queries and keys, then keys and values into the cache (see rotate_and_store).
@@ -53,6 +52,11 @@ class Kernels:
     # A whole Llama-shaped decoder layer in one call (gpu_workers/fused.py), where the backend
     # has one (cpu); None: the model calls the kernels above one by one.
     decoder_layer: Callable | None = None
+    # The backend's own int4 product, over weights it repacked once (int4_linear(x,
+    # pack_int4(packed, scales, mins)) computes kernels.matmul.int4_linear's product), where it
+    # has one (cpu); None: gpu_workers/quant.py takes PyTorch's int4 operators.
+    pack_int4: Callable | None = None
+    int4_linear: Callable | None = None
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -63,7 +67,7 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int4_linear": "matmul", "int8_linear": "matmul", "silu_mul": "activation"}
+            "int8_linear": "matmul", "silu_mul": "activation"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -78,7 +82,8 @@ def backend(name: str, reason: str) -> Kernels:
     return Kernels(name, reason, **found,
                    rotate_and_store=own("rotate_and_store", "rotary") or partial(
                        rotate_and_store, found["apply_rotary_"], found["store_kv"]),
-                   decoder_layer=own("decoder_layer", "layer"))
+                   decoder_layer=own("decoder_layer", "layer"),
+                   pack_int4=own("pack_int4", "matmul"), int4_linear=own("int4_linear", "matmul"))
 
 
 def rotate_and_store(rotate: Callable, store: Callable, qk: torch.Tensor, v: torch.Tensor,

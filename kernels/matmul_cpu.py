@@ -1,6 +1,7 @@
 """x W^T through the C++ products, as kernels.matmul's: `linear` picks the product by rows in
 C++ (kernels/cpu/layer.cpp: AMX tiles, the vector product, or oneDNN, whichever is fastest for
-them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights."""
+them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights (int4 repacked once, by
+pack_int4)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return extension().linear(x, weight)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                mins: torch.Tensor) -> torch.Tensor:
-    return extension().int4_linear(x, packed, scales, mins)
+def pack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """kernels.matmul.int4_linear's weights (Q4_1 nibbles pack_q4 made, scales and minimums
+    [N, groups]) in int4_linear's own layout: one uint8 tensor, one stream to read."""
+    return extension().int4_pack(packed, scales, mins)
+
+
+def int4_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x W^T for W as pack_int4 packed it, as kernels.matmul.int4_linear computes it."""
+    return extension().int4_linear(x, weights)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

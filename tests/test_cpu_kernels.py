@@ -357,7 +357,7 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
     scales = torch.rand(n, k // group) * 0.1 + 1e-3
     mins = -torch.rand(n, k // group)
     x = torch.randn(m, k).to(dtype)
-    got = matmul_cpu.int4_linear(x, matmul_ref.pack_q4(q), scales, mins)
+    got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins))
     assert got.shape == (m, n) and got.dtype == dtype
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
@@ -367,6 +367,16 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
     assert ((got.double() - exact).abs() <= bound).all()
     torch.testing.assert_close(got, matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales,
                                                             mins), rtol=2**-7, atol=1e-4)
+
+
+def test_int4_weights_refuse_another_width():
+    """int4_linear reads the record layout int4_pack made; an x of another width is refused,
+    naming both widths, rather than read past the weights."""
+    q = torch.randint(0, 16, (5, 64))
+    weights = matmul_cpu.pack_int4(matmul_ref.pack_q4(q), torch.ones(5, 2), torch.zeros(5, 2))
+    assert weights.dtype == torch.uint8 and weights.shape[0] == 5
+    with pytest.raises(RuntimeError, match="packed for 64 columns, x has 96"):
+        matmul_cpu.int4_linear(torch.randn(1, 96), weights)
 
 
 @settings(max_examples=40, deadline=None)
@@ -404,7 +414,8 @@ def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
     w = torch.randn(n, k)
     if quantization == "int4":
         q = torch.randint(0, 16, (n, k))
-        weights = (matmul_ref.pack_q4(q), torch.rand(n, k // 32) * 0.1, -torch.rand(n, k // 32))
+        weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), torch.rand(n, k // 32) * 0.1,
+                                        -torch.rand(n, k // 32)),)
         product = matmul_cpu.int4_linear
     else:
         weights, product = quantize_int8(w), matmul_cpu.int8_linear

@@ -1,9 +1,17 @@
 // int4 weight products y = x W^T with W = q * scale + min per group of columns (GGUF Q4_1's
 // grid), everything after the nibbles in fp32: the file's scales and minimums are fp16, which
 // fp32 holds exactly, and the sums are fp32, so nothing is rounded between the file and y.
+//
+// The weights are repacked once (int4_pack) so that a product reads them in one stream: for
+// each dequant::kRows W rows ("a row block") and each block of 32 columns, a record of those
+// rows' nibbles, then their scales, then their minimums. With the nibbles, scales and
+// minimums in three arrays, the kRows interleaved rows made six streams that the hardware
+// prefetcher did not keep ahead of: from memory at one row, this layout is 1.6x (3072 x 576)
+// and 2.5x (576 x 1536) faster, with the same bits.
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "dequant_product.h"
 
@@ -12,43 +20,46 @@ namespace {
 // Q4_1's block: 32 columns in 16 bytes, byte i holding column i (low nibble) and column i + 16
 // (high nibble), so a block's two halves widen to two contiguous vectors of 16 columns.
 constexpr int64_t kBlock = 32;
-// W = q * scale + min, scales and mins [N, groups] in fp32, q [N, K / 2] in Q4_1 blocks.
-struct Int4W {
-  const uint8_t* q;
-  const float *scales, *mins;
-  int64_t K, groups;
+constexpr int64_t kRecordBytes = kBlock / 2 + 2 * sizeof(float);  // per row in a record
 
-  // Q4_1's groups are one block: a shift, where a division per block cost a fifth of the
-  // product's time at one row.
-  int64_t group(int64_t k) const { return K == groups * kBlock ? k / kBlock : k / (K / groups); }
-  // The cache lines of W[n, k:k+32] and its scale and minimum, once a line.
-  void prefetch(int64_t n, int64_t k) const {
-    if (k % 128 == 0) __builtin_prefetch(q + n * (K / 2) + k / 2);
-    if (k % 512 == 0) {
-      __builtin_prefetch(scales + n * groups + group(k));
-      __builtin_prefetch(mins + n * groups + group(k));
-    }
+// W in int4_pack's layout, N rows by K columns; a row block of R rows (kRows but in the last)
+// has records of R * kRecordBytes.
+struct Int4W {
+  const uint8_t* blob;
+  int64_t N, K;
+
+  // W[n, k:k+32]'s record and n's place in it (of rows rows).
+  const uint8_t* record(int64_t n, int64_t k, int64_t& r, int64_t& rows) const {
+    const int64_t first = n - n % dequant::kRows;
+    r = n - first;
+    rows = std::min(dequant::kRows, N - first);
+    return blob + (first * (K / kBlock) + (k / kBlock) * rows) * kRecordBytes;
   }
+  void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
 #if defined(__AVX512F__)
   void load32(int64_t n, int64_t k, __m512& lo, __m512& hi) const {
+    int64_t r, rows;
+    const uint8_t* rec = record(n, k, r, rows);
+    const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(q + n * (K / 2) + k / 2)));
-    const int64_t g = n * groups + group(k);
+        reinterpret_cast<const __m128i*>(rec + r * kBlock / 2)));
     // The block's 16 values q * scale + min, looked up by nibble (vpermps reads an index's
     // low 4 bits): one FMA for 32 columns, and the same fp32 values as converting each q.
     const __m512 values = _mm512_fmadd_ps(
         _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g]));
+        _mm512_set1_ps(scales[r]), _mm512_set1_ps(scales[rows + r]));
     lo = _mm512_permutexvar_ps(wide, values);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
   }
 #else
   void load32(int64_t n, int64_t k, float* out) const {
-    const uint8_t* bytes = q + n * (K / 2) + k / 2;
-    const int64_t g = n * groups + group(k);
+    int64_t r, rows;
+    const uint8_t* rec = record(n, k, r, rows);
+    const uint8_t* bytes = rec + r * kBlock / 2;
+    const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
     for (int64_t i = 0; i < kBlock / 2; ++i) {
-      out[i] = std::fma(static_cast<float>(bytes[i] & 15), scales[g], mins[g]);
-      out[i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[g], mins[g]);
+      out[i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r], scales[rows + r]);
+      out[i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r], scales[rows + r]);
     }
   }
 #endif
@@ -56,27 +67,46 @@ struct Int4W {
 
 }  // namespace
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales, const torch::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kByte,
-              "int4_linear: x [M, K], q uint8 [N, K / 2]");
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.dim() == 2 &&
-                  scales.sizes() == mins.sizes() && scales.size(1) > 0,
-              "int4_linear: CPU tensors, scales and mins [N, groups]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scales.size(1);
-  TORCH_CHECK(K % kBlock == 0 && q.size(1) * 2 == K, "int4_linear: K a multiple of 32, q [N, K/2]");
-  TORCH_CHECK(scales.size(0) == N && K % groups == 0 && (K / groups) % kBlock == 0,
-              "int4_linear: each of the groups a multiple of 32 columns");
-  auto xf = x.to(at::kFloat).contiguous();  // M x K: a few rows, converted once
+torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
+                        const torch::Tensor& mins) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.device().is_cpu(),
+              "int4_pack: q uint8 [N, K / 2] on the CPU, in Q4_1 blocks");
+  TORCH_CHECK(scales.dim() == 2 && scales.sizes() == mins.sizes() && scales.size(0) == q.size(0),
+              "int4_pack: scales and mins [N, groups]");
+  const int64_t N = q.size(0), K = q.size(1) * 2, groups = scales.size(1);
+  TORCH_CHECK(K % kBlock == 0 && groups > 0 && K % groups == 0 && (K / groups) % kBlock == 0,
+              "int4_pack: K and each of the groups a multiple of 32 columns");
   auto qc = q.contiguous();
   auto sc = scales.to(at::kFloat).contiguous(), mc = mins.to(at::kFloat).contiguous();
+  auto blob = torch::empty({N, K / kBlock * kRecordBytes}, q.options());
+  const Int4W w{blob.data_ptr<uint8_t>(), N, K};
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; k += kBlock) {
+      int64_t r, rows;
+      auto* rec = const_cast<uint8_t*>(w.record(n, k, r, rows));
+      const int64_t g = n * groups + k / (K / groups);  // a wider group's scale, per block
+      std::memcpy(rec + r * kBlock / 2, qc.data_ptr<uint8_t>() + n * K / 2 + k / 2, kBlock / 2);
+      auto* values = reinterpret_cast<float*>(rec + rows * kBlock / 2);
+      values[r] = sc.data_ptr<float>()[g];
+      values[rows + r] = mc.data_ptr<float>()[g];
+    }
+  return blob;
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
+                  blob.scalar_type() == at::kByte && blob.is_contiguous(),
+              "int4_linear: x [M, K] and int4_pack's weights, on the CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = blob.size(0);
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * kRecordBytes,
+              "int4_linear: the weights were packed for ", blob.size(1) / kRecordBytes * kBlock,
+              " columns, x has ", K);
+  auto xf = x.to(at::kFloat).contiguous();  // M x K: a few rows, converted once
   auto out = torch::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear",
                                   [&] {
-    const uint8_t* qp = qc.data_ptr<uint8_t>();
-    const float *sp = sc.data_ptr<float>(), *mp = mc.data_ptr<float>();
     dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(),
-                     Int4W{qp, sp, mp, K, groups});
+                     Int4W{blob.data_ptr<uint8_t>(), N, K});
   });
   return out;
 }

@@ -23,8 +23,9 @@ torch::Tensor silu_mul(const torch::Tensor& x);
 void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
                       const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                       const torch::Tensor& slots);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales, const torch::Tensor& mins);
+torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
+                        const torch::Tensor& mins);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);

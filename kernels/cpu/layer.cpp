@@ -30,14 +30,11 @@ int64_t cpp_rows() { return amx_available() ? kAmxRows : kSmallRows; }
 
 namespace {
 
-// A projection's weights: [W] (plain), [q, scales] (int8) or [packed, scales, mins] (int4).
+// A projection's weights: [W] (plain), [q, scales] (int8) or [int4_pack's uint8 blob].
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
-  switch (w.size()) {
-    case 1: return ::linear(x, w[0]);
-    case 2: return int8_linear(x, w[0], w[1]);
-    case 3: return int4_linear(x, w[0], w[1], w[2]);
-    default: TORCH_CHECK(false, "a projection is [W], [q, scales] or [packed, scales, mins]");
-  }
+  TORCH_CHECK(w.size() == 1 || w.size() == 2, "a projection is [W], [q, scales] or [blob]");
+  if (w.size() == 2) return int8_linear(x, w[0], w[1]);
+  return w[0].scalar_type() == at::kByte ? int4_linear(x, w[0]) : ::linear(x, w[0]);
 }
 
 }  // namespace
