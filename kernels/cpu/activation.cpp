@@ -21,16 +21,10 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         for (; c + 16 <= width; c += 16) {
-          auto widen = [](const T* p) {
-            return _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-                16));
-          };
-          const __m512 g = widen(gate + c), u = widen(up + c);
+          const __m512 g = load_bf16(gate + c), u = load_bf16(up + c);
           const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-          const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))),
-                                         u);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(y));
+          store_bf16(o + c, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))),
+                                          u));
         }
       }
 #endif

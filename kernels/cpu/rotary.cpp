@@ -5,7 +5,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -27,11 +30,25 @@ void rotate_rows(T* qk, int64_t qk_stride, const T* v, int64_t v_stride, const A
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* row = qk + t * qk_stride + h * dim;
-        for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(row[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          row[d] = static_cast<T>(x[d] * c[d] + x[d + half] * s[d]);
-          row[d + half] = static_cast<T>(x[d + half] * c[d + half] + x[d] * s[d + half]);
+        int64_t d = 0;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {  // 16 pairs at a time
+          for (; half % 16 == 0 && d < half; d += 16) {
+            const __m512 a = load_bf16(row + d), b = load_bf16(row + d + half);
+            store_bf16(row + d, _mm512_fmadd_ps(a, _mm512_loadu_ps(c.data() + d),
+                                                _mm512_mul_ps(b, _mm512_loadu_ps(s.data() + d))));
+            store_bf16(row + d + half,
+                       _mm512_fmadd_ps(b, _mm512_loadu_ps(c.data() + d + half),
+                                       _mm512_mul_ps(a, _mm512_loadu_ps(s.data() + d + half))));
+          }
+        }
+#endif
+        if (d < half) {
+          for (int64_t e = 0; e < dim; ++e) x[e] = static_cast<float>(row[e]);
+          for (; d < half; ++d) {
+            row[d] = static_cast<T>(x[d] * c[d] + x[d + half] * s[d]);
+            row[d + half] = static_cast<T>(x[d + half] * c[d + half] + x[d] * s[d + half]);
+          }
         }
         if (h >= heads)
           std::copy(row, row + dim, k_cache + ((h - heads) * cache_slots + slot) * dim);

@@ -48,3 +48,18 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(h01, h23, 0xDD));
 }
 #endif
+
+#if defined(__AVX512BF16__)
+// 16 bf16 widened to fp32 (a bf16 is the top half of a float).
+inline __m512 from_bf16(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load_bf16(const void* p) {
+  return from_bf16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+// 16 floats rounded to bf16, to nearest even as PyTorch rounds.
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline void store_bf16(void* p, __m512 v) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), to_bf16(v));
+}
+#endif
