@@ -27,6 +27,7 @@ from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.packed import pack_model
 from gpu_workers.quant import quantize_model
+from kernels import matmul_cpu
 from surge.model_files import resolve_model
 
 
@@ -38,8 +39,8 @@ def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
     model.ops = kernels.for_device(torch.device("cpu"), backend)
     if mode in ("int4", "int8"):
         quantize_model(model, mode, 32, ops=model.ops)
-    if backend == "cpu":
-        route_linears(model, model.ops)
+    if backend == "cpu":  # oneDNN-packed copies past the C++ products, as --pack-weights
+        route_linears(model, model.ops, packed=not matmul_cpu.has_amx())
         if fused:
             fuse_layers(model)
     else:

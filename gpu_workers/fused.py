@@ -41,8 +41,10 @@ def layer_weights(layer: DecoderLayer) -> tuple | None:
 
 
 def _projection(module: nn.Module) -> list[torch.Tensor] | None:
-    """[W], [q, scales] (int8) or [the uint8 blob pack_int4 made] (int4): what the C++
-    products read."""
+    """[W] or [W, oneDNN's copy], [q, scales] (int8) or [the uint8 blob pack_int4 made]
+    (int4): what the C++ products read."""
+    if isinstance(module, KernelLinear) and module.packed is not None:
+        return [module.weight, module.packed]
     if isinstance(module, KernelLinear) or isinstance(module, nn.Linear) and module.bias is None:
         return [module.weight]
     if isinstance(module, Int8Linear) and module.cpp:

@@ -173,10 +173,14 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
                        ops)
-    # The C++ backend's small-M products read the plain weights: they take packing's place.
+    # The C++ backend's small-M products read the plain weights; past them, oneDNN reads its
+    # packed copy where that is faster than the plain weight (not with AMX, whose tiles read
+    # the plain layout up to 128 rows and oneDNN's as fast past them).
     routed = ops.name == "cpu" and dtype == torch.bfloat16
-    packed = not routed and cfg.model.pack_weights and can_pack(device, dtype)
-    prepare = (partial(route_linears, ops=ops) if routed else pack_model if packed else None)
+    packed = cfg.model.pack_weights and can_pack(device, dtype) and not (
+        routed and matmul_cpu.has_amx())
+    prepare = (partial(route_linears, ops=ops, packed=packed) if routed
+               else pack_model if packed else None)
     if cfg.model.deterministic:
         prepare = partial(_fixed_rows, prepare=prepare)
     if prepare is not None:
@@ -225,8 +229,10 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                   else ", no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
-                   f"{' (oneDNN-packed weights)' if packed else ''}"
-                   f"{f' (C++ products up to {matmul_cpu.max_rows()} rows)' if routed else ''}"
+                   f"{' (oneDNN-packed weights)' if packed and not routed else ''}"
+                   f"{f' (C++ products up to {matmul_cpu.max_rows()} rows' if routed else ''}"
+                   f"{', oneDNN-packed copies past them' if routed and packed else ''}"
+                   f"{')' if routed else ''}"
                    f"{', one call a layer' if fused else ''}"
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "

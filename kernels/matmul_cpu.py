@@ -24,8 +24,10 @@ def max_rows() -> int:
     return extension().cpp_rows()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return extension().linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """packed: oneDNN's blocked copy of weight, for the rows past the C++ products."""
+    return extension().linear(x, weight, packed)
 
 
 def pack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

@@ -201,6 +201,25 @@ def test_one_call_a_layer_gives_the_layer_by_layer_tokens(model_files, tokenizer
     assert runs[0] == runs[1]
 
 
+def test_rows_past_the_cpp_products_read_the_packed_copy():
+    """linear() gives rows past the C++ products to oneDNN on the packed copy it is handed (a
+    copy of another weight here, to see which one was read), and fewer rows to the C++ product
+    on the plain weight; KernelLinear hands its copy over."""
+    from gpu_workers.kernel_linear import KernelLinear
+
+    torch.manual_seed(0)
+    weight, other = torch.randn(40, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    wrong = torch.ops.mkldnn._reorder_linear_weight(other, 1)
+    ops = kernels.for_device(torch.device("cpu"), "cpu")
+    for rows in (1, matmul_cpu.max_rows(), matmul_cpu.max_rows() + 1, 150):
+        x = torch.randn(rows, 64).bfloat16()
+        read = other if rows > matmul_cpu.max_rows() else weight
+        torch.testing.assert_close(matmul_cpu.linear(x, weight, wrong), x @ read.T,
+                                   rtol=2**-7, atol=1e-2)
+        layer = KernelLinear(weight, ops, packed=True)
+        torch.testing.assert_close(layer(x), x @ weight.T, rtol=2**-7, atol=1e-2)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 20), st.integers(1, 700), st.integers(1, 70), seeds)
 def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, seed):

@@ -28,7 +28,8 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const std::optional<torch::Tensor>& packed);
 int64_t cpp_rows();
 std::vector<torch::Tensor> decoder_layer(
     const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
