@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from msgspec import Struct
 
+import kernels.sampling
 from surge.protocol import ScheduledSeq, TokenLogprobs
 
 _MASK = 0xFFFFFFFF
@@ -219,12 +220,13 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
     return out
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch
+def sample(logits: torch.Tensor, b: SamplingBatch, argmax: Callable = kernels.sampling.argmax
            ) -> tuple[torch.Tensor, torch.Tensor | None, list[TokenLogprobs | None]]:
     """logits [B, V] float32 -> (token ids [B], which rows accepted their draft token [B]
-    (None without drafts), logprobs per row where asked, else [])."""
+    (None without drafts), logprobs per row where asked, else []). argmax: the kernel
+    backend's greedy pick."""
     processed = _apply_penalties(logits, b)
-    greedy = processed.argmax(dim=-1)
+    greedy = argmax(processed)
     drafts = b.drafts
     accepted = None
     if drafts is not None:
@@ -245,7 +247,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch
         # A row whose every token was masked has no distribution left: fall back to greedy.
         usable = ((b.temperature > 0) & torch.isfinite(race).all(dim=-1)
                   & (race.amax(dim=-1) > 0))
-        tokens = torch.where(usable, race.argmax(dim=-1), greedy)
+        tokens = torch.where(usable, argmax(race), greedy)
     else:
         tokens = greedy
     if accepted is not None:

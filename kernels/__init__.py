@@ -47,6 +47,7 @@ class Kernels:
     linear: Callable
     int8_linear: Callable
     silu_mul: Callable
+    argmax: Callable  # the greedy pick of each row of logits
     # Rotary on queries and keys, then keys and values into the cache (see rotate_and_store).
     rotate_and_store: Callable
     # A whole Llama-shaped decoder layer in one call (gpu_workers/fused.py), where the backend
@@ -67,7 +68,7 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int8_linear": "matmul", "silu_mul": "activation"}
+            "int8_linear": "matmul", "silu_mul": "activation", "argmax": "sampling"}
 
 
 def backend(name: str, reason: str) -> Kernels:

@@ -18,7 +18,7 @@ from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
 from gpu_workers.quant import quantize_model
-from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu
+from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu, sampling_cpu
 from kernels import matmul as matmul_ref
 from kernels.cpu import extension
 from tests.inprocess import InProcessEngine
@@ -354,6 +354,24 @@ def test_rotate_and_store_is_rotary_then_store(tokens, heads, dim, dtype, seed):
     written[slots] = True
     assert not done["cpp"][1].view(kvh, -1, dim)[:, written].isnan().any()
     assert done["cpp"][1].view(kvh, -1, dim)[:, ~written].isnan().all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 200), st.sampled_from(["plain", "ties", "nan", "-inf"]),
+       seeds)
+def test_argmax_picks_as_torch_does(rows, vocab, poison, seed):
+    """The first largest value's index, the first NaN's in a row with one, 0 in a row of -inf;
+    widths that are no multiple of 16 and rows shorter than a vector."""
+    torch.manual_seed(seed)
+    logits = torch.randn(rows, vocab)
+    if poison == "ties":  # a few values, so the largest comes up several times in a row
+        logits = torch.randint(0, 3, (rows, vocab)).float()
+    elif poison == "nan":
+        spots = torch.randint(0, rows * vocab, (max(1, rows * vocab // 50),))
+        logits.view(-1)[spots] = float("nan")
+    elif poison == "-inf":
+        logits[0] = float("-inf")
+    assert torch.equal(sampling_cpu.argmax(logits), logits.argmax(dim=-1))
 
 
 def test_q4_packing_round_trips():

@@ -20,6 +20,7 @@ std::string gemv_isa();
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
 bool amx_available();
 torch::Tensor silu_mul(const torch::Tensor& x);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
                       const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                       const torch::Tensor& slots);
