@@ -1,12 +1,14 @@
 // The product shared by the low-bit kernels (int4.cpp, int8.cpp), y = x W^T with x in fp32 and
-// W read through its format's `load32`, which gives 32 columns of a W row in fp32. Every W
-// value is the same fp32 whatever the rows, and every sum runs in the same order (16 lanes, k
+// W read through its format's `load`, which gives 32 columns of a task's W rows in fp32. Every
+// W value is the same fp32 whatever the rows, and every sum runs in the same order (16 lanes, k
 // ascending), so a row of y has the same bits alone or in a batch.
 //
 // A format is a struct with
-//   load32(n, k, lo, hi)  W[n, k:k+16] and W[n, k+16:k+32] as two __m512 (AVX-512 builds), or
-//   load32(n, k, out)     the same 32 floats into out (other builds);
-//   prefetch(n, k)        hints W[n, k:k+32]'s cache lines in.
+//   load<rows>(n, k, lo, hi)  W[n + r, k:k+16] and W[n + r, k+16:k+32] into lo[r], hi[r] for
+//                             r < rows (n a multiple of kRows; AVX-512 builds), or
+//   load<rows>(n, k, out)     the same into out[r * 32, r * 32 + 32) (other builds);
+//   prefetch(n, k)            hints W[n, k:k+32]'s cache lines in.
+// The row count is a template argument so that the rows' vectors stay in registers.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,6 +32,18 @@ constexpr int64_t kTile = 4;  // x rows per pass over them (16 accumulators)
 // 40 / 21 sixteen. int4 took the same time either way (its dequantizing is the slower part).
 constexpr int64_t kAheadRows = 4 * kRows;
 
+// w.load<rows> for a row count known at run time (all but a matrix's last task: kRows).
+template <typename W, typename... Out>
+inline void load(const W& w, int64_t n, int64_t rows, int64_t k, Out*... out) {
+  static_assert(kRows == 4, "one case per row count");
+  switch (rows) {
+    case 4: w.template load<4>(n, k, out...); break;
+    case 3: w.template load<3>(n, k, out...); break;
+    case 2: w.template load<2>(n, k, out...); break;
+    default: w.template load<1>(n, k, out...); break;
+  }
+}
+
 #if defined(__AVX512F__)
 // tile x rows against W rows [n, n + rows), each W vector dequantized into registers and used
 // by every x row at once: W's bytes are read once, nothing is written back.
@@ -43,11 +57,9 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
     __m512 lo[kRows], hi[kRows];
     for (int64_t r = 0; r < kRows; ++r) {
       w.prefetch(n + r + kAheadRows, k);  // past W's end: a hint never faults
-      if (r < rows)
-        w.load32(n + r, k, lo[r], hi[r]);
-      else
-        lo[r] = hi[r] = _mm512_setzero_ps();
+      lo[r] = hi[r] = _mm512_setzero_ps();
     }
+    load(w, n, rows, k, lo, hi);
     for (int64_t m = 0; m < tile; ++m) {
       const __m512 x0 = _mm512_loadu_ps(x + m * K + k), x1 = _mm512_loadu_ps(x + m * K + k + 16);
       for (int64_t r = 0; r < kRows; ++r)
@@ -81,13 +93,14 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
 
 template <typename W>
 void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512 lo, hi;
-      w.load32(n + r, k, lo, hi);
-      _mm512_storeu_ps(buf + r * K + k, lo);
-      _mm512_storeu_ps(buf + r * K + k + 16, hi);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512 lo[kRows], hi[kRows];
+    load(w, n, rows, k, lo, hi);
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm512_storeu_ps(buf + r * K + k, lo[r]);
+      _mm512_storeu_ps(buf + r * K + k + 16, hi[r]);
     }
+  }
 }
 #else
 template <int64_t tile, typename T>
@@ -102,8 +115,11 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
 
 template <typename W>
 void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < K; k += 32) w.load32(n + r, k, buf + r * K + k);
+  float block[kRows * 32];
+  for (int64_t k = 0; k < K; k += 32) {
+    load(w, n, rows, k, block);
+    for (int64_t r = 0; r < rows; ++r) std::copy(block + r * 32, block + r * 32 + 32, buf + r * K + k);
+  }
 }
 #endif
 

@@ -28,38 +28,41 @@ struct Int4W {
   const uint8_t* blob;
   int64_t N, K;
 
-  // W[n, k:k+32]'s record and n's place in it (of rows rows).
-  const uint8_t* record(int64_t n, int64_t k, int64_t& r, int64_t& rows) const {
-    const int64_t first = n - n % dequant::kRows;
-    r = n - first;
-    rows = std::min(dequant::kRows, N - first);
-    return blob + (first * (K / kBlock) + (k / kBlock) * rows) * kRecordBytes;
+  // The record of W rows [n, n + rows) (a row block) at columns [k, k + 32).
+  const uint8_t* record(int64_t n, int64_t rows, int64_t k) const {
+    return blob + (n * (K / kBlock) + (k / kBlock) * rows) * kRecordBytes;
   }
   void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
 #if defined(__AVX512F__)
-  void load32(int64_t n, int64_t k, __m512& lo, __m512& hi) const {
-    int64_t r, rows;
-    const uint8_t* rec = record(n, k, r, rows);
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, __m512* lo, __m512* hi) const {
+    const uint8_t* rec = record(n, rows, k);
     const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(rec + r * kBlock / 2)));
-    // The block's 16 values q * scale + min, looked up by nibble (vpermps reads an index's
-    // low 4 bits): one FMA for 32 columns, and the same fp32 values as converting each q.
-    const __m512 values = _mm512_fmadd_ps(
-        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_ps(scales[r]), _mm512_set1_ps(scales[rows + r]));
-    lo = _mm512_permutexvar_ps(wide, values);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(rec + r * kBlock / 2)));
+      // The block's 16 values q * scale + min, looked up by nibble (vpermps reads an index's
+      // low 4 bits): one FMA for 32 columns, and the same fp32 values as converting each q.
+      const __m512 values = _mm512_fmadd_ps(
+          _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_ps(scales[r]), _mm512_set1_ps(scales[rows + r]));
+      lo[r] = _mm512_permutexvar_ps(wide, values);
+      hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
+    }
   }
 #else
-  void load32(int64_t n, int64_t k, float* out) const {
-    int64_t r, rows;
-    const uint8_t* rec = record(n, k, r, rows);
-    const uint8_t* bytes = rec + r * kBlock / 2;
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, float* out) const {
+    const uint8_t* rec = record(n, rows, k);
     const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
-    for (int64_t i = 0; i < kBlock / 2; ++i) {
-      out[i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r], scales[rows + r]);
-      out[i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r], scales[rows + r]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* bytes = rec + r * kBlock / 2;
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        out[r * kBlock + i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r],
+                                       scales[rows + r]);
+        out[r * kBlock + i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r],
+                                            scales[rows + r]);
+      }
     }
   }
 #endif
@@ -82,8 +85,9 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
   const Int4W w{blob.data_ptr<uint8_t>(), N, K};
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; k += kBlock) {
-      int64_t r, rows;
-      auto* rec = const_cast<uint8_t*>(w.record(n, k, r, rows));
+      const int64_t first = n - n % dequant::kRows, r = n - first;
+      const int64_t rows = std::min(dequant::kRows, N - first);
+      auto* rec = const_cast<uint8_t*>(w.record(first, rows, k));
       const int64_t g = n * groups + k / (K / groups);  // a wider group's scale, per block
       std::memcpy(rec + r * kBlock / 2, qc.data_ptr<uint8_t>() + n * K / 2 + k / 2, kBlock / 2);
       auto* values = reinterpret_cast<float*>(rec + rows * kBlock / 2);

@@ -17,17 +17,23 @@ struct Int8W {
     if (k % 64 == 0) __builtin_prefetch(q + n * K + k);
   }
 #if defined(__AVX512F__)
-  void load32(int64_t n, int64_t k, __m512& lo, __m512& hi) const {
-    const int8_t* p = q + n * K + k;
-    const __m512 s = _mm512_set1_ps(scales[n]);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, __m512* lo, __m512* hi) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* p = q + (n + r) * K + k;
+      const __m512 s = _mm512_set1_ps(scales[n + r]);
+      lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
+      hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
+    }
   }
 #else
-  void load32(int64_t n, int64_t k, float* out) const {
-    for (int64_t i = 0; i < 32; ++i) out[i] = static_cast<float>(q[n * K + k + i]) * scales[n];
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, float* out) const {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < 32; ++i)
+        out[r * 32 + i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
   }
 #endif
 };
