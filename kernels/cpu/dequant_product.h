@@ -29,7 +29,7 @@ constexpr int64_t kTile = 4;  // x rows per pass over them (16 accumulators)
 // The direct product prefetches the W rows this many rows ahead, at the columns it is
 // reading: kRows interleaved rows do not wake the hardware prefetcher early enough. int8 from
 // memory at one row (3072 x 576 / 576 x 1536): 77 / 39 us without, 48 / 21 four rows ahead,
-// 40 / 21 sixteen. int4 took the same time either way (its dequantizing is the slower part).
+// 40 / 21 sixteen. int4's records are one stream (int4.cpp), which needs none.
 constexpr int64_t kAheadRows = 4 * kRows;
 
 // w.load<rows> for a row count known at run time (all but a matrix's last task: kRows).
@@ -118,7 +118,8 @@ void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
   float block[kRows * 32];
   for (int64_t k = 0; k < K; k += 32) {
     load(w, n, rows, k, block);
-    for (int64_t r = 0; r < rows; ++r) std::copy(block + r * 32, block + r * 32 + 32, buf + r * K + k);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(block + r * 32, block + r * 32 + 32, buf + r * K + k);
   }
 }
 #endif
