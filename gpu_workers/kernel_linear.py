@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from gpu_workers.llama import LlamaModel
+from gpu_workers.packed import packed_copy
 from kernels import Kernels
 
 
@@ -18,8 +19,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.weight = weight  # the plain weight, shared (a tied head reads the embedding's)
         self.ops = ops
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-                       if packed else None)
+        self.packed = packed_copy(weight) if packed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

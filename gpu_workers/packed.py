@@ -24,11 +24,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a weight: an opaque tensor, not a Parameter."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        # An opaque oneDNN tensor, not a Parameter: nothing else reads it.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.packed = packed_copy(weight)  # nothing else reads it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]: the model's tokens are flat, and a reshape on either side
