@@ -22,12 +22,11 @@ import torch
 import kernels
 from bench.packed_weights import cpu_kind, decoding_engine, step_times
 from gpu_workers.fused import fuse_layers
-from gpu_workers.kernel_linear import route_linears
+from gpu_workers.kernel_linear import keeps_packed_copy, route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.packed import pack_model
 from gpu_workers.quant import quantize_model
-from kernels import matmul_cpu
 from surge.model_files import resolve_model
 
 
@@ -40,7 +39,8 @@ def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
     if mode in ("int4", "int8"):
         quantize_model(model, mode, 32, ops=model.ops)
     if backend == "cpu":  # oneDNN-packed copies past the C++ products, as --pack-weights
-        route_linears(model, model.ops, packed=not matmul_cpu.has_amx())
+        route_linears(model, model.ops, packed=keeps_packed_copy(torch.device("cpu"),
+                                                                 torch.bfloat16))
         if fused:
             fuse_layers(model)
     else:

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from gpu_workers.llama import LlamaModel
-from gpu_workers.packed import packed_copy
-from kernels import Kernels
+from gpu_workers.packed import can_pack, packed_copy
+from kernels import Kernels, matmul_cpu
 
 
 class KernelLinear(nn.Module):
@@ -25,6 +25,13 @@ class KernelLinear(nn.Module):
         if self.packed is None:
             return self.ops.linear(x, self.weight)
         return self.ops.linear(x, self.weight, self.packed)
+
+
+def keeps_packed_copy(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether routed layers keep oneDNN's copy for the rows past the C++ products: where oneDNN
+    reorders this dtype, and not with AMX, whose tiles read the plain layout up to 128 rows and
+    oneDNN's as fast past them."""
+    return can_pack(device, dtype) and not matmul_cpu.has_amx()
 
 
 def route_linears(model: LlamaModel, ops: Kernels, packed: bool = False) -> None:

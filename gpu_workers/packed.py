@@ -19,9 +19,12 @@ from gpu_workers.llama import LlamaModel
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN reorders bf16 weights only on CPUs with its bf16 path (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT): an AVX2-only CPU serves bf16 from the plain weights."""
     return (device.type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor:

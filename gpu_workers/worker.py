@@ -20,7 +20,7 @@ from gpu_workers.devices import place
 from gpu_workers.draft import shares_layers, truncated
 from gpu_workers.families import read_family
 from gpu_workers.fused import fuse_layers
-from gpu_workers.kernel_linear import route_linears
+from gpu_workers.kernel_linear import keeps_packed_copy, route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
@@ -174,11 +174,10 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
                        ops)
     # The C++ backend's small-M products read the plain weights; past them, oneDNN reads its
-    # packed copy where that is faster than the plain weight (not with AMX, whose tiles read
-    # the plain layout up to 128 rows and oneDNN's as fast past them).
+    # packed copy where that is faster than the plain weight.
     routed = ops.name == "cpu" and dtype == torch.bfloat16
-    packed = cfg.model.pack_weights and can_pack(device, dtype) and not (
-        routed and matmul_cpu.has_amx())
+    packed = cfg.model.pack_weights and (keeps_packed_copy(device, dtype) if routed
+                                         else can_pack(device, dtype))
     prepare = (partial(route_linears, ops=ops, packed=packed) if routed
                else pack_model if packed else None)
     if cfg.model.deterministic:

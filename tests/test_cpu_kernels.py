@@ -17,6 +17,7 @@ import kernels
 from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
+from gpu_workers.packed import can_pack
 from gpu_workers.quant import quantize_model
 from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu, sampling_cpu
 from kernels import matmul as matmul_ref
@@ -201,6 +202,8 @@ def test_one_call_a_layer_gives_the_layer_by_layer_tokens(model_files, tokenizer
     assert runs[0] == runs[1]
 
 
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN has no bf16 path on this CPU (AVX2 only): no packed copies")
 def test_rows_past_the_cpp_products_read_the_packed_copy():
     """linear() gives rows past the C++ products to oneDNN on the packed copy it is handed (a
     copy of another weight here, to see which one was read), and fewer rows to the C++ product
