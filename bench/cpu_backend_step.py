@@ -2,13 +2,14 @@
 the models stepped alternately in one process so both see the same load. bf16: the default
 (reference kernels, oneDNN-packed weights) vs `--kernel-backend cpu` (C++ paged attention,
 norms and bf16 products: AMX tiles where the CPU has them); int4 / int8: PyTorch's low-bit
-operators vs the C++ int4 / int8 products.
+operators vs the C++ int4 / int8 products; fp32 (the default dtype on CPUs without bf16
+instructions): the reference kernels vs the C++ ones, both on MKL's fp32 products.
 
 With --against layers the baseline is the cpu backend itself, its layers called one by one
 from Python, against one decoder_layer call a layer (gpu_workers/fused.py).
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_backend_step [--batches 1,4,64]
-       [--steps 12] [--modes bf16,int4,int8] [--against reference|layers]
+       [--steps 12] [--modes bf16,int4,int8,fp32] [--against reference|layers]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import keeps_packed_copy, route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
-from gpu_workers.packed import pack_model
+from gpu_workers.packed import can_pack, pack_model
 from gpu_workers.quant import quantize_model
 from surge.model_files import resolve_model
 
@@ -33,17 +34,17 @@ from surge.model_files import resolve_model
 def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
     """The bundled model as the worker prepares it for this mode and kernel backend (fused:
     one decoder_layer call a layer where the backend has it)."""
-    model = load_model(resolve_model("default"), torch.device("cpu"), torch.bfloat16,
-                       keep_q4_1=mode == "int4")
+    cpu, dtype = torch.device("cpu"), torch.float32 if mode == "fp32" else torch.bfloat16
+    model = load_model(resolve_model("default"), cpu, dtype, keep_q4_1=mode == "int4")
     model.ops = kernels.for_device(torch.device("cpu"), backend)
     if mode in ("int4", "int8"):
         quantize_model(model, mode, 32, ops=model.ops)
-    if backend == "cpu":  # oneDNN-packed copies past the C++ products, as --pack-weights
-        route_linears(model, model.ops, packed=keeps_packed_copy(torch.device("cpu"),
-                                                                 torch.bfloat16))
+    if backend == "cpu":
+        if dtype == torch.bfloat16:  # oneDNN-packed copies past the C++ products, as the worker
+            route_linears(model, model.ops, packed=keeps_packed_copy(cpu, dtype))
         if fused:
             fuse_layers(model)
-    else:
+    elif can_pack(cpu, dtype):
         pack_model(model)
     return model
 

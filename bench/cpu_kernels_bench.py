@@ -10,7 +10,9 @@ the reference, in GB/s of K/V read (each call on the next of 12 layers' caches, 
 step reads them: from memory, not from the last-level cache).
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
-       [--repeats 30] [--threads N] [--output result.json]
+       [--repeats 30] [--threads N] [--attention-dtype float32] [--output result.json]
+
+Where oneDNN has no bf16 path (AVX2-only CPUs) there are no packed weights: that column is nan.
 
 With one thread the figures hold while another process has the other core: a two-thread
 parallel region waits for both cores (a busy one costs a scheduler slice, milliseconds).
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_workers.packed import can_pack
 from gpu_workers.quant import quantize_int4
 from kernels import attention, attention_cpu
 from kernels.cpu import extension
@@ -63,17 +66,18 @@ def time_alternately(fns: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def attention_rates(seqs: int, context: int, repeats: int, layers: int, block: int = 16,
-                    heads: int = 9, kv_heads: int = 3, dim: int = 64) -> dict[str, float]:
+def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: torch.dtype,
+                    block: int = 16, heads: int = 9, kv_heads: int = 3, dim: int = 64
+                    ) -> dict[str, float]:
     """Seconds of one layer's decode attention, C++ and reference, on shuffled blocks. Each call
     reads the next of `layers` caches, as a step reads each layer's in turn: with enough layers
     the K/V comes from memory, not from a cache the last call warmed."""
     blocks = seqs * (-(-context // block))
-    caches = [(torch.randn(kv_heads, blocks + 1, block, dim).bfloat16(),
-               torch.randn(kv_heads, blocks + 1, block, dim).bfloat16()) for _ in range(layers)]
+    caches = [(torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype),
+               torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype)) for _ in range(layers)]
     tables = torch.randperm(blocks).view(seqs, -1)
     lens = torch.full((seqs,), context)
-    q = torch.randn(seqs, heads, dim).bfloat16()
+    q = torch.randn(seqs, heads, dim, dtype=dtype)
     plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0]),
              "reference": attention.plan_decode(tables, lens, caches[0][0])}
     turn = {"cpp": 0, "reference": 0}
@@ -98,6 +102,7 @@ def main() -> None:
                         help="decode attention: SEQSxCONTEXT ('' skips it)")
     parser.add_argument("--attention-layers", type=int, default=12,
                         help="caches the attention calls take in turn (1: the same, warm one)")
+    parser.add_argument("--attention-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--output")
     args = parser.parse_args()
     if args.threads:
@@ -116,39 +121,44 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
     for name, k, n in SHAPES if rows else []:
         weight = torch.randn(n, k).bfloat16()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        packed = (torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                  if can_pack(weight.device, weight.dtype) else None)
         q, scales, zeros = quantize_int4(weight, 32)
         q4 = ext.int4_pack(pack_q4(q), scales, zeros - 8 * scales)
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             fns = {
                 "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
-                "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
-                    x, p, None, "none", [], ""),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
                 "int4": lambda x=x, q4=q4: ext.int4_linear(x, q4),
             }
+            if packed is not None:
+                fns["onednn"] = lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
+                    x, p, None, "none", [], "")
             if amx and k % 32 == 0:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
             t = time_alternately(fns, args.repeats)
             gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
             nan = float("nan")
             print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
-                  f"{t['onednn'] * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
+                  f"{t.get('onednn', nan) * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
                   f"{t['int4'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
-                  f"{gbs.get('amx', nan):>7.1f} {gbs['onednn']:>7.1f}")
+                  f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f}")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},
                              **{f"{key}_gbs": g for key, g in gbs.items()}})
     attn = {}
     if args.attention:
         seqs, context = (int(v) for v in args.attention.split("x"))
-        kv_bytes = 2 * seqs * context * 3 * 64 * 2  # K and V, 3 KV heads of 64, bf16
-        t = attention_rates(seqs, context, args.repeats, args.attention_layers)
+        dtype = getattr(torch, args.attention_dtype)
+        # K and V, 3 KV heads of 64
+        kv_bytes = 2 * seqs * context * 3 * 64 * dtype.itemsize
+        t = attention_rates(seqs, context, args.repeats, args.attention_layers, dtype)
         attn = {f"{key}_us": s * 1e6 for key, s in t.items()}
         attn.update({f"{key}_gbs": kv_bytes / s / 1e9 for key, s in t.items()})
         print(f"decode attention, {seqs} sequences at context {context} ({kv_bytes / 1e6:.1f} MB "
-              f"of K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
+              f"of {args.attention_dtype} "
+              f"K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
               f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), reference "
               f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s; "
               f"{args.attention_layers} layers' caches in turn")
@@ -156,7 +166,8 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "amx": amx,
-                       "rows": rows_out, "attention": attn}, f,
+                       "rows": rows_out, "attention": attn,
+                       "attention_dtype": args.attention_dtype}, f,
                       indent=1)
 
 

@@ -74,6 +74,14 @@ inline __m512 dot_lanes(const T* q, const T* k, int64_t dim) {
   for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
   return acc;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes of partial sums of q . k (dim a multiple of 8).
+template <typename T>
+inline __m256 dot_lanes(const T* q, const T* k, int64_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(k + d), acc);
+  return acc;
+}
 #endif
 
 // s[t] = e^(s[t] - top); returns their sum.
@@ -88,6 +96,18 @@ inline float exps(float* s, int64_t n, float top) {
     total = _mm512_add_ps(total, e);
   }
   return _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 x = _mm256_maskload_ps(s + t, lanes);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, _mm256_set1_ps(top))),
+                                   _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(s + t, lanes, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum8(total);
 #else
   float sum = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
@@ -129,6 +149,8 @@ template <typename T>
 bool vectorized(int64_t dim) {
 #if defined(__AVX512F__)
   return !std::is_same_v<T, double> && dim % 16 == 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return !std::is_same_v<T, double> && dim % 8 == 0;
 #else
   return false;
 #endif
@@ -152,6 +174,17 @@ void score(const T* q, const T* k_cache, const int64_t* offsets, int64_t n, int6
         s[t] = _mm512_reduce_add_ps(dot_lanes(q, k_cache + offsets[t], dim)) * scale;
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (vectorized<T>(dim)) {
+      for (; t + 8 <= n; t += 8) {
+        __m256 parts[8];
+        for (int64_t j = 0; j < 8; ++j) parts[j] = dot_lanes(q, k_cache + offsets[t + j], dim);
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(reduce8(parts), _mm256_set1_ps(scale)));
+      }
+      for (; t < n; ++t) s[t] = sum8(dot_lanes(q, k_cache + offsets[t], dim)) * scale;
+    }
+  }
 #endif
   for (; t < n; ++t) s[t] = dot(q, k_cache + offsets[t], dim) * scale;
 }
@@ -166,6 +199,13 @@ inline void weigh(float* acc, const float* w, const float* rows, int64_t n, int6
       a = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(rows + j * dim + d), a);
     _mm512_storeu_ps(acc + d, a);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; d + 8 <= dim; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t j = 0; j < n; ++j)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows + j * dim + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
 #endif
   for (; d < dim; ++d)
     for (int64_t j = 0; j < n; ++j) acc[d] += w[j] * rows[j * dim + d];
@@ -178,6 +218,13 @@ void widen(const T* v, float* out, int64_t dim) {
   if constexpr (!std::is_same_v<T, double>) {
     if (vectorized<T>(dim)) {
       for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(out + d, load16(v + d));
+      return;
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (vectorized<T>(dim)) {
+      for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out + d, load8(v + d));
       return;
     }
   }

@@ -5,9 +5,9 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include <algorithm>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -51,25 +51,13 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
   for (int64_t m = 0; m < tile; ++m)
     for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
-#elif defined(__AVX2__)
-// 8 bf16 widened to fp32 (a bf16 is the top half of a float); lanes past k_end read as 0.
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 bf16 of a row from k, widened to fp32; lanes past k_end read as 0.
 inline __m256 load8(const at::BFloat16* p, int64_t k, int64_t k_end) {
-  alignas(32) uint16_t buf[8] = {0};
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(p + k);
-  __m128i raw;
-  if (k_end - k >= 8) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  } else {
-    for (int64_t i = 0; i < k_end - k; ++i) buf[i] = src[i];
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  if (k_end - k >= 8) return ::load8(p + k);
+  at::BFloat16 tail[8] = {};
+  std::copy(p + k, p + k_end, tail);
+  return ::load8(tail);
 }
 
 template <int64_t tile>
@@ -110,7 +98,7 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
 std::string gemv_isa() {
 #if defined(__AVX512BF16__)
   return "avx512_bf16";
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";
 #else
   return "scalar";

@@ -37,6 +37,20 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residu
         }
         sq = _mm512_reduce_add_ps(squares);
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {  // 8 columns at a time (fp32: no roundings)
+        __m256 squares = _mm256_setzero_ps();
+        for (; c + 8 <= width; c += 8) {
+          __m256 v = _mm256_loadu_ps(xr + c);
+          if (residual != nullptr) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(residual + r * width + c));
+            _mm256_storeu_ps(residual_out + r * width + c, v);
+          }
+          _mm256_storeu_ps(h.data() + c, v);
+          squares = _mm256_fmadd_ps(v, v, squares);
+        }
+        sq = sum8(squares);
+      }
 #endif
       for (; c < width; ++c) {
         float v = static_cast<float>(xr[c]);

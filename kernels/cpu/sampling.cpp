@@ -5,12 +5,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -43,6 +42,30 @@ int64_t argmax_row(const float* x, int64_t n) {
     const __mmask16 ties = _mm512_cmp_ps_mask(tops, _mm512_set1_ps(top), _CMP_EQ_OQ);
     best = _mm512_mask_reduce_min_epi32(ties, at);
     nan = nans != 0;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {  // argmax's 16 lanes above, in 8
+    __m256 tops = _mm256_loadu_ps(x);
+    __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i index = at;
+    __m256 nans = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+      const __m256 up = _mm256_cmp_ps(v, tops, _CMP_GT_OQ);
+      tops = _mm256_blendv_ps(tops, v, up);
+      at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(up));
+      nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lane_tops[8];
+    alignas(32) int32_t lane_at[8];
+    _mm256_store_ps(lane_tops, tops);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), at);
+    top = *std::max_element(lane_tops, lane_tops + 8);
+    best = n;
+    for (int lane = 0; lane < 8; ++lane)
+      if (lane_tops[lane] == top) best = std::min<int64_t>(best, lane_at[lane]);
+    nan = _mm256_movemask_ps(nans) != 0;
   }
 #endif
   for (; i < n; ++i) {

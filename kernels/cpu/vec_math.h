@@ -63,3 +63,58 @@ inline void store_bf16(void* p, __m512 v) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), to_bf16(v));
 }
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The 8-lane forms of the above, for CPUs with AVX2 and FMA but no AVX-512 (e.g. AMD Zen 2).
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+// e^x for 8 lanes, exp16's polynomial and limits, but the fraction taken from x itself (x - n
+// ln 2, ln 2 in two parts): fp32 callers (SiLU) need e^x within ~2e-7 where x is large, which
+// the fraction of x log2(e) loses (1.6e-6 at x = 27).
+inline __m256 exp8(__m256 x) {
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)),
+                                       _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
+}
+
+// Lane t of the result is the sum of v[t]'s lanes (8 dot products reduced at once).
+inline __m256 reduce8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 elements as float32: bfloat16 by a shift of its bits, half by F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
