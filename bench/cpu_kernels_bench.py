@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.packed import can_pack
+from gpu_workers.packed import PackedLinear, can_pack
 from gpu_workers.quant import quantize_int4
 from kernels import attention, attention_cpu
 from kernels.cpu import extension
@@ -121,8 +121,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
     for name, k, n in SHAPES if rows else []:
         weight = torch.randn(n, k).bfloat16()
-        packed = (torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                  if can_pack(weight.device, weight.dtype) else None)
+        packed = PackedLinear(weight) if can_pack(weight.device, weight.dtype) else None
         q, scales, zeros = quantize_int4(weight, 32)
         q4 = ext.int4_pack(pack_q4(q), scales, zeros - 8 * scales)
         for m in rows:
@@ -133,8 +132,7 @@ def main() -> None:
                 "int4": lambda x=x, q4=q4: ext.int4_linear(x, q4),
             }
             if packed is not None:
-                fns["onednn"] = lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
-                    x, p, None, "none", [], "")
+                fns["onednn"] = lambda x=x, p=packed: p(x)
             if amx and k % 32 == 0:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
             t = time_alternately(fns, args.repeats)
