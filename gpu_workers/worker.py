@@ -229,7 +229,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
                    f"{' (oneDNN-packed weights)' if packed and not routed else ''}"
-                   f"{f' (C++ products up to {matmul_cpu.max_rows()} rows' if routed else ''}"
+                   f"{f' ({matmul_cpu.describe_rows()}' if routed else ''}"
                    f"{', oneDNN-packed copies past them' if routed and packed else ''}"
                    f"{')' if routed else ''}"
                    f"{', one call a layer' if fused else ''}"

@@ -19,9 +19,17 @@ def has_amx() -> bool:
     return ext is not None and ext.amx_available()
 
 
-def max_rows() -> int:
-    """The most rows of x the C++ bf16 products take (the worker's start-up line names it)."""
-    return extension().cpp_rows()
+def max_rows() -> int | None:
+    """The most rows of x the C++ bf16 products take; None where they take every row count
+    (no oneDNN bf16 path on this CPU)."""
+    rows = extension().cpp_rows()
+    return None if rows < 0 else rows
+
+
+def describe_rows() -> str:
+    """The products' share, for the worker's start-up line."""
+    rows = max_rows()
+    return "C++ products at every row count" if rows is None else f"C++ products up to {rows} rows"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None

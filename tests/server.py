@@ -56,13 +56,15 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
+        """Healthy, and past the ready line: /health answers once the scheduler has its
+        workers, a moment before the supervisor has logged their start-up lines."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"surge exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and "surge ready on" in self.output():
                         return self
             except OSError:
                 pass

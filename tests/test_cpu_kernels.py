@@ -31,6 +31,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 seeds = st.integers(0, 2**32 - 1)
 
 
+def _cpu_flags() -> str:
+    """This CPU's flags: the extension is built for them (-march=native)."""
+    with open("/proc/cpuinfo") as f:
+        return f.read()
+
+
 def _oracle(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             *rest: object) -> torch.Tensor:
     """The reference kernel in float32 on the same (already rounded) inputs: the C++ kernels
@@ -239,6 +245,24 @@ def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, se
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 24), st.integers(1, 70), seeds)
+def test_bf16_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed):
+    """The product for bf16 past the vector product where oneDNN has no bf16 path: any rows
+    (one pass and many over each task's widened W rows), W rows no multiple of its 4."""
+    torch.manual_seed(seed)
+    x, weight = torch.randn(m, 32 * k32).bfloat16(), torch.randn(n, 32 * k32).bfloat16()
+    got = extension().bf16_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    for rows in (slice(0, 1), slice(0, m // 2 + 1), slice(m // 3, m)):  # same bits alone
+        assert torch.equal(extension().bf16_linear(x[rows], weight), got[rows])
+    if "avx512f" not in _cpu_flags():  # the 8-lane sums of the vector product (up to 4 rows)
+        assert torch.equal(extension().small_m_linear(x, weight), got)
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(1, 140), st.integers(1, 24), st.integers(1, 80), seeds)
 def test_amx_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed):
     """Row counts over one, two and several x tiles (and past AMX_ROWS), widths of any number
@@ -256,22 +280,27 @@ def test_amx_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed
 
 def test_amx_is_found_where_the_cpu_has_it():
     """A build on an AMX machine that did not take the tiles would quietly lose them."""
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
+    flags = _cpu_flags()
     assert matmul_cpu.has_amx() == ("amx_bf16" in flags and "avx512_bf16" in flags)
 
 
 def test_linear_takes_the_cpp_products_up_to_their_row_counts():
+    """AMX tiles (2 to 128 rows) where the CPU has them, else the vector product up to 4 rows;
+    past them oneDNN, or bf16_linear where oneDNN has no bf16 path (AVX2-only CPUs)."""
     weight = torch.randn(40, 64).bfloat16()
     cpp_rows = matmul_cpu.max_rows()
-    for rows in (1, 4, 5, cpp_rows, cpp_rows + 1):  # the vector product takes up to 4
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (cpp_rows is None) == (not onednn and not matmul_cpu.has_amx())
+    for rows in (1, 4, 5, 128, 129):
         x = torch.randn(rows, 64).bfloat16()
-        if rows > cpp_rows:
-            want = torch.nn.functional.linear(x, weight)
-        elif matmul_cpu.has_amx() and rows > 1:
+        if matmul_cpu.has_amx() and 1 < rows <= cpp_rows:
             want = extension().amx_linear(x, weight)
-        else:
+        elif rows <= 4:
             want = extension().small_m_linear(x, weight)
+        elif not onednn:
+            want = extension().bf16_linear(x, weight)
+        else:
+            want = torch.nn.functional.linear(x, weight)
         assert torch.equal(matmul_cpu.linear(x, weight), want), rows
     x32 = torch.randn(2, 64)
     assert torch.equal(matmul_cpu.linear(x32, weight.float()),
@@ -385,7 +414,7 @@ def test_q4_packing_round_trips():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 20), st.integers(1, 20), st.integers(1, 50),
+@given(st.integers(1, 40), st.integers(1, 20), st.integers(1, 50),
        st.sampled_from([32, 64]),
        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
 def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed):
@@ -420,7 +449,7 @@ def test_int4_weights_refuse_another_width():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 20), st.integers(1, 12), st.integers(1, 50),
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 50),
        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
 def test_int8_linear_is_the_dequantized_product(m, blocks, n, dtype, seed):
     """Against the float64 product of the dequantized weight: the per-row scales reach the
@@ -497,7 +526,7 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
         log = srv.output()
         assert "cpu kernels (--kernel-backend)" in log
         # With int4 layers, the LM head still takes the small-M product.
-        assert (f"C++ products up to {matmul_cpu.max_rows()} rows" in log) == \
+        assert (matmul_cpu.describe_rows() in log) == \
             (dtype == "bfloat16")
         assert (f"{quantization} weights" in log) == (quantization != "none")
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)

@@ -5,6 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("small_m_linear", &small_m_linear, "x W^T for a few rows of x, bf16, fp32 sums");
+  m.def("bf16_linear", &bf16_linear, "x W^T for any rows, bf16, W widened a task at a time");
   m.def("int4_pack", &int4_pack, "Q4_1 nibbles, scales and mins in int4_linear's layout");
   m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums");
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per output row, fp32 sums");

@@ -1,7 +1,8 @@
-// The product shared by the low-bit kernels (int4.cpp, int8.cpp), y = x W^T with x in fp32 and
-// W read through its format's `load`, which gives 32 columns of a task's W rows in fp32. Every
-// W value is the same fp32 whatever the rows, and every sum runs in the same order (16 lanes, k
-// ascending), so a row of y has the same bits alone or in a batch.
+// The product shared by the weight formats (int4.cpp, int8.cpp, and bf16 in layer.cpp where
+// oneDNN has no bf16 path), y = x W^T with x in fp32 and W read through its format's `load`,
+// which gives 32 columns of a task's W rows in fp32. Every W value is the same fp32 whatever
+// the rows, and every sum runs in the same order (a vector's lanes, k ascending), so a row of y
+// has the same bits alone or in a batch.
 //
 // A format is a struct with
 //   load<rows>(n, k, lo, hi)  W[n + r, k:k+16] and W[n + r, k+16:k+32] into lo[r], hi[r] for
@@ -18,14 +19,18 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace dequant {
 
 constexpr int64_t kRows = 4;  // W rows a task takes at once
-constexpr int64_t kTile = 4;  // x rows per pass over them (16 accumulators)
+// x rows per pass over them: kRows x kTile accumulators, the kRows W vectors and an x vector
+// fit the registers (32 with AVX-512, 16 with AVX2).
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 4;
+#else
+constexpr int64_t kTile = 2;
+#endif
 // The direct product prefetches the W rows this many rows ahead, at the columns it is
 // reading: kRows interleaved rows do not wake the hardware prefetcher early enough. int8 from
 // memory at one row (3072 x 576 / 576 x 1536): 77 / 39 us without, 48 / 21 four rows ahead,
@@ -103,6 +108,25 @@ void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
   }
 }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t tile, typename T>
+void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
+  __m256 acc[tile][kRows];
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[kRows];
+    for (int64_t r = 0; r < kRows; ++r)
+      wv[r] = r < rows ? _mm256_loadu_ps(buf + r * K + k) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < tile; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+}
+#else
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   for (int64_t m = 0; m < tile; ++m)
@@ -112,7 +136,9 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
       out[m * ldo + r] = static_cast<T>(s);
     }
 }
+#endif
 
+// The formats' 32-column loads are plain loops, which -O3 vectorizes for this CPU.
 template <typename W>
 void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
   float block[kRows * 32];
@@ -147,9 +173,15 @@ void pass(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w, i
   }
 }
 
+// Past kTile rows, W rows are dequantized a group of kGroup row blocks at a time into a buffer
+// L2 holds, and x passes over them kChunk rows at a time, so that a long prefill's x is read
+// once a group from the caches rather than once a row block from memory.
+constexpr int64_t kGroup = 8;
+constexpr int64_t kChunk = 32;
+
 // out [M, N] = x [M, K] (fp32) W^T; K is a multiple of 32. Up to kTile rows of x, each W
 // value goes from memory into registers once (a decode step: the time is W's bytes); more
-// rows dequantize each task's W rows once into a buffer L1 holds and pass every x row over it.
+// rows dequantize each W row once a call into the buffer and pass every x row over it.
 template <typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
   const int64_t blocks = (N + kRows - 1) / kRows;
@@ -159,11 +191,21 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
   const bool direct = false;
 #endif
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(direct ? 0 : kRows * K);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kRows, rows = std::min(kRows, N - n);
-      if (!direct) dequantize(w, n, rows, K, buf.data());
-      pass(x, M, K, N, out, w, n, rows, direct ? nullptr : buf.data());
+    if (direct) {
+      for (int64_t b = begin; b < end; ++b)
+        pass(x, M, K, N, out, w, b * kRows, std::min(kRows, N - b * kRows), nullptr);
+      return;
+    }
+    std::vector<float> buf(kGroup * kRows * K);
+    for (int64_t first = begin; first < end; first += kGroup) {
+      const int64_t last = std::min(end, first + kGroup);
+      for (int64_t b = first; b < last; ++b)
+        dequantize(w, b * kRows, std::min(kRows, N - b * kRows), K,
+                   buf.data() + (b - first) * kRows * K);
+      for (int64_t m = 0; m < M; m += kChunk)
+        for (int64_t b = first; b < last; ++b)
+          pass(x + m * K, std::min(kChunk, M - m), K, N, out + m * N, w, b * kRows,
+               std::min(kRows, N - b * kRows), buf.data() + (b - first) * kRows * K);
     }
   });
 }

@@ -16,6 +16,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
                                         const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight);
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight);
 std::string gemv_isa();
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
 bool amx_available();

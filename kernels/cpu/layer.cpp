@@ -28,12 +28,26 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed)
   return stack[0].toTensor();
 }
 
+// Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+// without it PyTorch's bf16 GEMM is a slow fallback.
+bool onednn_bf16() {
+  static const bool has = [] {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+        "mkldnn::_is_mkldnn_bf16_supported", "");
+    torch::jit::Stack stack;
+    op.callBoxed(&stack);
+    return stack[0].toBool();
+  }();
+  return has;
+}
+
 }  // namespace
 
 // x W^T on the product that is fastest for its rows (bench.cpu_kernels_bench): bf16 on AMX
 // tiles from 2 to kAmxRows rows where the CPU has them, the vector product up to kSmallRows
 // rows, oneDNN otherwise (and for other dtypes): on `packed`, W's oneDNN-blocked copy, where
 // the model keeps one (1.2-1.3x the plain weight's product at 64-128 rows on AVX-512 BF16).
+// Where oneDNN has no bf16 path, every row count past kSmallRows takes bf16_linear.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const std::optional<torch::Tensor>& packed) {
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
@@ -42,12 +56,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
     if (amx && rows > 1 && rows <= kAmxRows && x.size(1) % 32 == 0) return amx_linear(x, weight);
     if (rows <= kSmallRows) return small_m_linear(x, weight);
     if (packed) return onednn_linear(x, *packed);
+    if (!onednn_bf16() && x.size(1) % 32 == 0) return bf16_linear(x, weight);
   }
   return at::linear(x, weight);
 }
 
-// The most rows of x that linear() gives to the C++ products.
-int64_t cpp_rows() { return amx_available() ? kAmxRows : kSmallRows; }
+// The most rows of x that linear() gives to the C++ products (-1: every row count).
+int64_t cpp_rows() { return amx_available() ? kAmxRows : onednn_bf16() ? kSmallRows : -1; }
 
 namespace {
 
