@@ -295,7 +295,7 @@ class ModelRunner:
                               for s, position in zip(step.picked, step.sample_positions,
                                                      strict=True)],
                 logits.shape[1], self.device)
-            tokens, accepted, logprobs = sample(logits, step.sampling, self.model.ops.argmax)
+            tokens, accepted, logprobs = sample(logits, step.sampling, self.model.ops)
         else:
             tokens = torch.empty(len(step.picked), dtype=torch.int64, device=self.device)
         if self.link is None:  # the other ranks patch PREVIOUS_TOKEN from them

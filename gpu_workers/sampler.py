@@ -1,9 +1,8 @@
 """Sampling for a whole batch at once: every request parameter is a column of tensors.
 
-Randomness is a pure function of (seed, position, token id): a counter-based hash, not a
-generator with state. So a seeded request gives the same tokens whatever batch it shares, and a
-sequence recomputed after preemption or a worker restart samples exactly what it sampled before.
-Each stage runs only when some row of the batch asks for it.
+The picks themselves are the kernel backend's (kernels/sampling.py: the greedy one, and the
+seeded random one on counter-based noise, so a seeded request gives the same tokens whatever
+batch it shares). Each stage runs only when some row of the batch asks for it.
 
 Speculative decoding verifies proposed tokens here: a row with a draft token d keeps d when
 the model agrees, else samples again. Greedy rows agree when d is their argmax. Sampling rows
@@ -18,33 +17,11 @@ from collections.abc import Callable
 import torch
 from msgspec import Struct
 
-import kernels.sampling
+import kernels
+from kernels.sampling import filter_logits, race, uniform_noise
 from surge.protocol import ScheduledSeq, TokenLogprobs
 
-_MASK = 0xFFFFFFFF
 _ACCEPT_STREAM = 0x5DEECE66D  # xored into the seed for speculative acceptance draws
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors (multipliers < 2**31, so products never overflow)."""
-    x = x & _MASK
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _MASK
-    x = x ^ (x >> 16)
-    x = (x * 0x2C1B3C6D) & _MASK
-    x = x ^ (x >> 15)
-    x = (x * 0x297A2D39) & _MASK
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] floats in (0, 1), fixed by each row's (seed, position)."""
-    # Both halves of the 64-bit seed count: seeds 5 and 5 + 2**32 must differ.
-    row = _hash32(_hash32(seeds) ^ _hash32(seeds >> 32) * 0x2F ^ (positions * 0x9E3779B1 & _MASK))
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _hash32(row[:, None] + ids[None, :] * 0x3C6EF372)
-    # 23 bits plus a half step: exactly representable in float32 and never 0 or 1.
-    return ((bits >> 9).float() + 0.5) / float(1 << 23)
 
 
 Column = Callable[[list, torch.dtype], torch.Tensor]
@@ -180,28 +157,6 @@ def _apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     return logits.index_add(0, rows, penalty)
 
 
-def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Temperature-scaled logits with -inf outside each row's top-k / top-p / min-p set."""
-    logits = logits / torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
-    if b.max_top_k:
-        # Only as many top values as the largest top_k; rows without top_k keep every token.
-        top = logits.topk(b.max_top_k, dim=-1).values
-        kth = top.gather(1, (b.top_k.clamp(min=1) - 1)[:, None])
-        kth = torch.where(b.top_k[:, None] > 0, kth, float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if b.any_top_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop = (probs.cumsum(dim=-1) - probs >= b.top_p[:, None]) & (b.top_p < 1)[:, None]
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if b.any_min_p:
-        probs = logits.softmax(dim=-1)
-        floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
-
-
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
               ) -> list[TokenLogprobs | None]:
     """Log-probabilities under the model itself (before penalties, bias or temperature)."""
@@ -220,36 +175,33 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
     return out
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch, argmax: Callable = kernels.sampling.argmax
+def sample(logits: torch.Tensor, b: SamplingBatch, ops: kernels.Kernels = kernels.REFERENCE
            ) -> tuple[torch.Tensor, torch.Tensor | None, list[TokenLogprobs | None]]:
     """logits [B, V] float32 -> (token ids [B], which rows accepted their draft token [B]
-    (None without drafts), logprobs per row where asked, else []). argmax: the kernel
-    backend's greedy pick."""
+    (None without drafts), logprobs per row where asked, else []). ops: the kernel backend,
+    whose picks these are."""
     processed = _apply_penalties(logits, b)
-    greedy = argmax(processed)
+    greedy = ops.argmax(processed)
     drafts = b.drafts
     accepted = None
-    if drafts is not None:
+    if drafts is None:
+        picked = ops.random_pick(processed, b) if b.any_random else None
+    else:
         has_draft = drafts >= 0
         draft_ids = drafts.clamp(min=0)[:, None]
         accepted = has_draft & (greedy == drafts)
-    if b.any_random:
-        probs = _filter(processed, b).softmax(dim=-1)
-        if drafts is not None:
+        picked = None
+        if b.any_random:
+            probs = filter_logits(processed, b).softmax(dim=-1)
             # Independent of the race's noise at the same position: another seed stream.
             coin = uniform_noise(b.seeds ^ _ACCEPT_STREAM, b.positions, 1)[:, 0]
             p_draft = probs.gather(1, draft_ids)
             lucky = has_draft & (coin < p_draft[:, 0])
             accepted = torch.where(b.temperature > 0, lucky, accepted)
-            probs = probs.scatter(1, draft_ids, torch.where(has_draft[:, None], 0.0, p_draft))
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
-        race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[1]))
-        # A row whose every token was masked has no distribution left: fall back to greedy.
-        usable = ((b.temperature > 0) & torch.isfinite(race).all(dim=-1)
-                  & (race.amax(dim=-1) > 0))
-        tokens = torch.where(usable, argmax(race), greedy)
-    else:
-        tokens = greedy
+            picked = race(probs.scatter(1, draft_ids, torch.where(has_draft[:, None], 0.0,
+                                                                  p_draft)), b)
+    # A row with no pick (greedy, or its every token masked) takes the greedy one.
+    tokens = greedy if picked is None else torch.where(picked >= 0, picked, greedy)
     if accepted is not None:
         tokens = torch.where(accepted, drafts, tokens)
     return tokens, accepted, _logprobs(logits, tokens, b.logprobs)

@@ -48,6 +48,7 @@ class Kernels:
     int8_linear: Callable
     silu_mul: Callable
     argmax: Callable  # the greedy pick of each row of logits
+    random_pick: Callable  # the seeded random pick of each row (-1: none)
     # Rotary on queries and keys, then keys and values into the cache (see rotate_and_store).
     rotate_and_store: Callable
     # A whole Llama-shaped decoder layer in one call (gpu_workers/fused.py), where the backend
@@ -68,7 +69,8 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int8_linear": "matmul", "silu_mul": "activation", "argmax": "sampling"}
+            "int8_linear": "matmul", "silu_mul": "activation", "argmax": "sampling",
+            "random_pick": "sampling"}
 
 
 def backend(name: str, reason: str) -> Kernels:

@@ -19,7 +19,15 @@ from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
 from gpu_workers.packed import can_pack
 from gpu_workers.quant import quantize_model
-from kernels import attention, attention_cpu, matmul_cpu, rmsnorm, rmsnorm_cpu, sampling_cpu
+from kernels import (
+    attention,
+    attention_cpu,
+    matmul_cpu,
+    rmsnorm,
+    rmsnorm_cpu,
+    sampling,
+    sampling_cpu,
+)
 from kernels import matmul as matmul_ref
 from kernels.cpu import extension
 from tests.inprocess import InProcessEngine
@@ -286,19 +294,22 @@ def test_amx_is_found_where_the_cpu_has_it():
 
 def test_linear_takes_the_cpp_products_up_to_their_row_counts():
     """AMX tiles (2 to 128 rows) where the CPU has them, else the vector product up to 4 rows;
-    past them oneDNN, or bf16_linear where oneDNN has no bf16 path (AVX2-only CPUs)."""
+    past them oneDNN, or where oneDNN has no bf16 path (AVX2-only CPUs) bf16_linear up to 192
+    rows and the fp32 product past them."""
     weight = torch.randn(40, 64).bfloat16()
     cpp_rows = matmul_cpu.max_rows()
     onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert (cpp_rows is None) == (not onednn and not matmul_cpu.has_amx())
-    for rows in (1, 4, 5, 128, 129):
+    for rows in (1, 4, 5, 128, 129, 192, 193):
         x = torch.randn(rows, 64).bfloat16()
         if matmul_cpu.has_amx() and 1 < rows <= cpp_rows:
             want = extension().amx_linear(x, weight)
         elif rows <= 4:
             want = extension().small_m_linear(x, weight)
-        elif not onednn:
+        elif not onednn and rows <= 192:
             want = extension().bf16_linear(x, weight)
+        elif not onednn:  # a prefill chunk: W widened, MKL's fp32 product
+            want = (x.float() @ weight.float().T).bfloat16()
         else:
             want = torch.nn.functional.linear(x, weight)
         assert torch.equal(matmul_cpu.linear(x, weight), want), rows
@@ -404,6 +415,38 @@ def test_argmax_picks_as_torch_does(rows, vocab, poison, seed):
     elif poison == "-inf":
         logits[0] = float("-inf")
     assert torch.equal(sampling_cpu.argmax(logits), logits.argmax(dim=-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3000), st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.8]),
+       st.sampled_from([0, 1, 2, 40]), st.sampled_from([1.0, 0.95, 0.5, 0.01]),
+       st.sampled_from([0.0, 0.05, 0.5]), st.sampled_from(["plain", "nan", "masked", "spread"]),
+       seeds)
+def test_random_pick_picks_as_the_reference(rows, vocab, temperature, top_k, top_p, min_p,
+                                            poison, seed):
+    """The same filters and the same noise: the same tokens (float scores that tie within
+    rounding could part, which random logits never draw); -1 where the reference has no pick:
+    temperature 0, a NaN, every token masked. Row 0 keeps the defaults (no filter)."""
+    from gpu_workers.sampler import SamplingBatch
+    from surge.protocol import SamplingParams, ScheduledSeq
+
+    torch.manual_seed(seed)
+    logits = torch.randn(rows, vocab) * (8 if poison == "spread" else 2)
+    if poison == "nan":
+        logits[rows // 2, seed % vocab] = float("nan")
+    elif poison == "masked":
+        logits[rows // 2] = float("-inf")
+        logits[0, : vocab // 2] = float("-inf")
+    params = [SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p)] * rows
+    params[0] = SamplingParams(max_tokens=1, temperature=temperature or 1.0)
+    seqs = [ScheduledSeq(i, [1], 0, [], True, p, seed + i * 2**31) for i, p in enumerate(params)]
+    batch = SamplingBatch.build(seqs, [seed % 1000 + i for i in range(rows)], vocab,
+                                torch.device("cpu"))
+    want = sampling.random_pick(logits, batch)
+    assert torch.equal(sampling_cpu.random_pick(logits, batch), want)
+    if temperature == 0:
+        assert (want[1:] == -1).all()
 
 
 def test_q4_packing_round_trips():

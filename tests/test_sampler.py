@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.sampler import SamplingBatch, sample, uniform_noise
+from gpu_workers.sampler import SamplingBatch, sample
+from kernels.sampling import uniform_noise
 from surge.protocol import SamplingParams, ScheduledSeq
 
 V = 50

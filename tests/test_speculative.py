@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from gpu_workers.draft import truncated
 from gpu_workers.model_runner import ModelRunner
-from gpu_workers.sampler import SamplingBatch, _filter, sample
+from gpu_workers.sampler import SamplingBatch, sample
+from kernels.sampling import filter_logits
 from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence
@@ -98,7 +99,7 @@ def test_rejection_sampling_keeps_the_distribution(draft, top_k):
     batch = SamplingBatch.build(rows, [7] * n, len(logits), torch.device("cpu"), drafts=drafts)
     tokens, accepted, _ = sample(logits.expand(n, -1).clone(), batch)
     one = SamplingBatch.build(rows[:1], [7], len(logits), torch.device("cpu"))
-    probs = _filter(logits[None].clone(), one)[0].softmax(-1)
+    probs = filter_logits(logits[None].clone(), one)[0].softmax(-1)
     for half in (tokens[: n // 2], tokens[n // 2 :]):
         counts = torch.bincount(half, minlength=len(logits))
         assert _chi_square_p(counts, probs) > ALPHA, (counts, probs)

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
   m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.argmax");
+  m.def("random_pick", &random_pick, "each row's seeded random pick, -1 where it has none");
   m.def("linear", &linear, "x W^T on the fastest product for its rows (C++ or oneDNN)",
         py::arg("x"), py::arg("weight"), py::arg("packed") = py::none());
   m.def("cpp_rows", &cpp_rows, "the most rows of x that linear gives to the C++ products");

@@ -7,7 +7,7 @@
 // A format is a struct with
 //   load<rows>(n, k, lo, hi)  W[n + r, k:k+16] and W[n + r, k+16:k+32] into lo[r], hi[r] for
 //                             r < rows (n a multiple of kRows; AVX-512 builds), or
-//   load<rows>(n, k, out)     the same into out[r * 32, r * 32 + 32) (other builds);
+//   load<rows>(n, k, out, ld) the same into out[r * ld, r * ld + 32) (other builds);
 //   prefetch(n, k)            hints W[n, k:k+32]'s cache lines in.
 // The row count is a template argument so that the rows' vectors stay in registers.
 #pragma once
@@ -39,7 +39,7 @@ constexpr int64_t kAheadRows = 4 * kRows;
 
 // w.load<rows> for a row count known at run time (all but a matrix's last task: kRows).
 template <typename W, typename... Out>
-inline void load(const W& w, int64_t n, int64_t rows, int64_t k, Out*... out) {
+inline void load(const W& w, int64_t n, int64_t rows, int64_t k, Out... out) {
   static_assert(kRows == 4, "one case per row count");
   switch (rows) {
     case 4: w.template load<4>(n, k, out...); break;
@@ -109,6 +109,32 @@ void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
+// tile x rows against W rows [n, n + rows), each 32 columns of them dequantized into a block
+// L1 holds and used by every x row at once (a decode step: W's bytes are read once).
+template <int64_t tile, typename W, typename T>
+void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
+                int64_t ldo) {
+  __m256 acc[tile][kRows];
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  alignas(32) float block[kRows * 32];
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int64_t r = 0; r < kRows; ++r) w.prefetch(n + r + kAheadRows, k);
+    load(w, n, rows, k, block, int64_t{32});
+    for (int64_t c = 0; c < 32; c += 8) {
+      __m256 wv[kRows];
+      for (int64_t r = 0; r < kRows; ++r)
+        wv[r] = r < rows ? _mm256_load_ps(block + r * 32 + c) : _mm256_setzero_ps();
+      for (int64_t m = 0; m < tile; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + k + c);
+        for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+}
+
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m256 acc[tile][kRows];
@@ -138,15 +164,9 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
 }
 #endif
 
-// The formats' 32-column loads are plain loops, which -O3 vectorizes for this CPU.
 template <typename W>
 void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
-  float block[kRows * 32];
-  for (int64_t k = 0; k < K; k += 32) {
-    load(w, n, rows, k, block);
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy(block + r * 32, block + r * 32 + 32, buf + r * K + k);
-  }
+  for (int64_t k = 0; k < K; k += 32) load(w, n, rows, k, buf + k, K);
 }
 #endif
 
@@ -155,7 +175,7 @@ template <typename T, typename W>
 void pass(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w, int64_t n,
           int64_t rows, const float* buf) {
   auto run = [&](auto tile, int64_t m) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (buf == nullptr) {
       dot_direct<decltype(tile)::value>(x + m * K, K, w, n, rows, out + m * N + n, N);
       return;
@@ -185,7 +205,7 @@ constexpr int64_t kChunk = 32;
 template <typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
   const int64_t blocks = (N + kRows - 1) / kRows;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const bool direct = M <= kTile;
 #else
   const bool direct = false;

@@ -110,11 +110,18 @@ struct BF16W {
           _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(out + r * ld + i, ::load8(w + (n + r) * K + k + i));
+  }
 #else
   template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out) const {
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < 32; ++i) out[r * 32 + i] = static_cast<float>(w[(n + r) * K + k + i]);
+      for (int64_t i = 0; i < 32; ++i) out[r * ld + i] = static_cast<float>(w[(n + r) * K + k + i]);
   }
 #endif
 };

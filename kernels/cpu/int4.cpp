@@ -50,18 +50,37 @@ struct Int4W {
       hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
+    const uint8_t* rec = record(n, rows, k);
+    const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + r * kBlock / 2));
+      const __m256 scale = _mm256_set1_ps(scales[r]), min = _mm256_set1_ps(scales[rows + r]);
+      // Columns 0-15 are the low nibbles, 16-31 the high ones; q * scale + min in one rounding.
+      const __m128i halves[2] = {_mm_and_si128(bytes, low4),
+                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) {
+          const __m128i q = e ? _mm_srli_si128(halves[h], 8) : halves[h];
+          _mm256_storeu_ps(out + r * ld + 16 * h + 8 * e,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), scale, min));
+        }
+    }
+  }
 #else
   template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out) const {
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
     const uint8_t* rec = record(n, rows, k);
     const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* bytes = rec + r * kBlock / 2;
       for (int64_t i = 0; i < kBlock / 2; ++i) {
-        out[r * kBlock + i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r],
-                                       scales[rows + r]);
-        out[r * kBlock + i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r],
-                                            scales[rows + r]);
+        out[r * ld + i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r], scales[rows + r]);
+        out[r * ld + i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r],
+                                        scales[rows + r]);
       }
     }
   }

@@ -28,12 +28,23 @@ struct Int8W {
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  template <int64_t rows>
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* p = q + (n + r) * K + k;
+      const __m256 s = _mm256_set1_ps(scales[n + r]);
+      for (int64_t i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(out + r * ld + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)))), s));
+    }
+  }
 #else
   template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out) const {
+  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < 32; ++i)
-        out[r * 32 + i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
+        out[r * ld + i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
   }
 #endif
 };

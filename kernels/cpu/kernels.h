@@ -22,6 +22,10 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
 bool amx_available();
 torch::Tensor silu_mul(const torch::Tensor& x);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+torch::Tensor random_pick(const torch::Tensor& logits, const torch::Tensor& temperature,
+                          const torch::Tensor& top_k, const torch::Tensor& top_p,
+                          const torch::Tensor& min_p, const torch::Tensor& seeds,
+                          const torch::Tensor& positions);
 void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
                       const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                       const torch::Tensor& slots);
