@@ -109,6 +109,28 @@ void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
+// acc[m][r] += x[m, 0:count] . w[r, 0:count] for m < tile, r < rows (x rows ldx apart, w rows
+// ldw apart), 8 lanes at a time, k ascending.
+template <int64_t tile>
+inline void accumulate(__m256 (&acc)[tile][kRows], const float* x, int64_t ldx, const float* w,
+                       int64_t ldw, int64_t rows, int64_t count) {
+  for (int64_t k = 0; k < count; k += 8) {
+    __m256 wv[kRows];
+    for (int64_t r = 0; r < kRows; ++r)
+      wv[r] = r < rows ? _mm256_loadu_ps(w + r * ldw + k) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < tile; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+}
+
+template <int64_t tile, typename T>
+inline void store_sums(__m256 (&acc)[tile][kRows], int64_t rows, T* out, int64_t ldo) {
+  for (int64_t m = 0; m < tile; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+}
+
 // tile x rows against W rows [n, n + rows), each 32 columns of them dequantized into a block
 // L1 holds and used by every x row at once (a decode step: W's bytes are read once).
 template <int64_t tile, typename W, typename T>
@@ -121,36 +143,19 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
   for (int64_t k = 0; k < K; k += 32) {
     for (int64_t r = 0; r < kRows; ++r) w.prefetch(n + r + kAheadRows, k);
     load(w, n, rows, k, block, int64_t{32});
-    for (int64_t c = 0; c < 32; c += 8) {
-      __m256 wv[kRows];
-      for (int64_t r = 0; r < kRows; ++r)
-        wv[r] = r < rows ? _mm256_load_ps(block + r * 32 + c) : _mm256_setzero_ps();
-      for (int64_t m = 0; m < tile; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K + k + c);
-        for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
-      }
-    }
+    accumulate(acc, x + k, K, block, 32, rows, 32);
   }
-  for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+  store_sums(acc, rows, out, ldo);
 }
 
+// tile x rows against `rows` W rows dequantized into buf [rows][K], in the same order.
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m256 acc[tile][kRows];
   for (int64_t m = 0; m < tile; ++m)
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[kRows];
-    for (int64_t r = 0; r < kRows; ++r)
-      wv[r] = r < rows ? _mm256_loadu_ps(buf + r * K + k) : _mm256_setzero_ps();
-    for (int64_t m = 0; m < tile; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+  accumulate(acc, x, K, buf, K, rows, K);
+  store_sums(acc, rows, out, ldo);
 }
 #else
 template <int64_t tile, typename T>
