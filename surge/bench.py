@@ -29,12 +29,12 @@ _TOKEN_RANGE = (1000, 20000)
 
 
 def fixed_workload(rng: random.Random, n: int, input_len: int, output_len: int,
-                   shared_prefix_len: int) -> list[dict]:
+                   shared_prefix_len: int, temperature: float = 0.0) -> list[dict]:
     """n prompts of exactly input_len random tokens (after a shared prefix, if any), each
-    generating exactly output_len tokens."""
+    generating exactly output_len tokens (greedy unless a temperature is given)."""
     prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(shared_prefix_len)]
     return [{"prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
-             "max_tokens": output_len, "ignore_eos": True, "temperature": 0}
+             "max_tokens": output_len, "ignore_eos": True, "temperature": temperature}
             for _ in range(n)]
 
 
@@ -189,7 +189,7 @@ def run_level(opts: argparse.Namespace, kind: str, level: float, headers: dict,
         bodies = chat_workload(rng, opts.num_requests)
     else:
         bodies = fixed_workload(rng, opts.num_requests, opts.input_len, opts.output_len,
-                                opts.shared_prefix_len)
+                                opts.shared_prefix_len, opts.temperature)
     bodies = convert(bodies, tokenizer, opts.endpoint)
     if opts.model:
         bodies = [{**b, "model": opts.model} for b in bodies]
@@ -298,6 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix-len", type=int, default=0,
                         help="tokens of prefix every prompt shares (prefix-cache workloads)")
     parser.add_argument("--trace", help="JSONL trace to replay (with --workload trace)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="--workload fixed: sample at this temperature (default greedy)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--duration", type=float, default=None,
                         help="start no request after this many seconds")

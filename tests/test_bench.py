@@ -26,6 +26,9 @@ def test_fixed_workload_lengths_and_shared_prefix():
                for b in bodies)
     assert len({tuple(b["prompt"][:12]) for b in bodies}) == 1
     assert len({tuple(b["prompt"][12:]) for b in bodies}) == 5
+    assert {b["temperature"] for b in bodies} == {0}
+    sampled = fixed_workload(random.Random(0), 2, 4, 3, 0, temperature=0.7)
+    assert {b["temperature"] for b in sampled} == {0.7}
 
 
 def test_chat_workload_is_long_tailed_and_clipped():
