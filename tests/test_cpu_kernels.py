@@ -420,13 +420,14 @@ def test_argmax_picks_as_torch_does(rows, vocab, poison, seed):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 3000), st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.8]),
        st.sampled_from([0, 1, 2, 40]), st.sampled_from([1.0, 0.95, 0.5, 0.01]),
-       st.sampled_from([0.0, 0.05, 0.5]), st.sampled_from(["plain", "nan", "masked", "spread"]),
-       seeds)
+       st.sampled_from([0.0, 0.05, 0.5]),
+       st.sampled_from(["plain", "nan", "masked", "spread", "huge", "ties"]), seeds)
 def test_random_pick_picks_as_the_reference(rows, vocab, temperature, top_k, top_p, min_p,
                                             poison, seed):
     """The same filters and the same noise: the same tokens (float scores that tie within
     rounding could part, which random logits never draw); -1 where the reference has no pick:
-    temperature 0, a NaN, every token masked. Row 0 keeps the defaults (no filter)."""
+    temperature 0, a NaN, every token masked. Row 0 keeps the defaults (no filter). With ties
+    top-k keeps every token equal to the k-th (top-p's sort orders ties arbitrarily: off)."""
     from gpu_workers.sampler import SamplingBatch
     from surge.protocol import SamplingParams, ScheduledSeq
 
@@ -437,6 +438,11 @@ def test_random_pick_picks_as_the_reference(rows, vocab, temperature, top_k, top
     elif poison == "masked":
         logits[rows // 2] = float("-inf")
         logits[0, : vocab // 2] = float("-inf")
+    elif poison == "huge":  # finite logits whose logits / T overflow: no distribution
+        logits[rows // 2, 0] = 3e38
+    elif poison == "ties":
+        logits = torch.randint(0, 6, (rows, vocab)).float()
+        top_p = 1.0
     params = [SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p)] * rows
     params[0] = SamplingParams(max_tokens=1, temperature=temperature or 1.0)

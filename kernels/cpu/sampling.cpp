@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -226,43 +228,59 @@ int64_t race_row(const float* logits, int64_t V, float T, float m, float min_p, 
 }
 #endif
 
-// The random pick of one row (see random_pick), -1 where it has none.
-int64_t pick_row(const float* logits, int64_t V, float T, int64_t top_k, float top_p,
-                 float min_p, uint32_t key, std::vector<Candidate>& cand) {
-  if (!(T > 0)) return -1;
-  const int64_t g = argmax_row(logits, V);
-  if (!std::isfinite(logits[g])) return -1;  // NaN, or every token masked: no distribution
-  const float m = logits[g] / T;  // dividing by T > 0 keeps the order: the largest logits / T
-#if defined(__AVX2__) && defined(__FMA__)
-  if ((top_k <= 0 || top_k >= V) && !(top_p < 1)) return race_row(logits, V, T, m, min_p, key);
-#endif
-  cand.clear();
+// take(x, e^(x - m), id) for each token whose x = logit / T is at least `floor`.
+template <typename Take>
+void near_tokens(const float* logits, int64_t V, float T, float m, float floor, Take take) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; i + 8 <= V; i += 8) {  // 8 tokens' test at once, and their weights in a vector
     const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), _mm256_set1_ps(T));
-    int near = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(m - kSpan), _CMP_GE_OQ));
+    int near = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(floor), _CMP_GE_OQ));
     if (near == 0) continue;
     alignas(32) float xs[8], es[8];
     _mm256_store_ps(xs, x);
     _mm256_store_ps(es, exp8(_mm256_sub_ps(x, _mm256_set1_ps(m))));
     for (; near != 0; near &= near - 1) {
       const int lane = __builtin_ctz(near);
-      cand.push_back({xs[lane], es[lane], i + lane});
+      take(xs[lane], es[lane], i + lane);
     }
   }
 #endif
   for (; i < V; ++i) {
     const float x = logits[i] / T;
-    if (x >= m - kSpan) cand.push_back({x, std::exp(x - m), i});
+    if (x >= floor) take(x, std::exp(x - m), i);
   }
+}
+
+// The random pick of one row (see random_pick), -1 where it has none.
+int64_t pick_row(const float* logits, int64_t V, float T, int64_t top_k, float top_p,
+                 float min_p, uint32_t key, std::vector<Candidate>& cand,
+                 std::vector<float>& scratch) {
+  if (!(T > 0)) return -1;
+  // Dividing by T > 0 keeps the order: the largest logits / T. Not finite (a NaN, every token
+  // masked, or a logit past float's range once divided): no distribution, as the reference's
+  // softmax gives none.
+  const float m = logits[argmax_row(logits, V)] / T;
+  if (!std::isfinite(m)) return -1;
+#if defined(__AVX2__) && defined(__FMA__)
+  if ((top_k <= 0 || top_k >= V) && !(top_p < 1)) return race_row(logits, V, T, m, min_p, key);
+#endif
+  float floor = m - kSpan;
+  if (top_k > 0 && top_k < V) {
+    // The k-th largest value stays, with every token equal to it (smaller ones are dropped):
+    // found among the values alone, so that only the kept tokens become candidates.
+    scratch.clear();
+    near_tokens(logits, V, T, m, floor, [&](float x, float, int64_t) { scratch.push_back(x); });
+    if (top_k < static_cast<int64_t>(scratch.size())) {
+      std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(),
+                       std::greater<float>());
+      floor = scratch[top_k - 1];
+    }
+  }
+  cand.clear();
+  near_tokens(logits, V, T, m, floor,
+              [&](float x, float e, int64_t id) { cand.push_back({x, e, id}); });
   auto end = cand.end();
-  if (top_k > 0 && top_k < static_cast<int64_t>(cand.size())) {
-    // The k-th largest value stays, with every token equal to it (logits < kth are dropped).
-    std::nth_element(cand.begin(), cand.begin() + (top_k - 1), cand.end(), before);
-    const float kth = cand[top_k - 1].x;
-    end = std::partition(cand.begin(), cand.end(), [&](const Candidate& c) { return c.x >= kth; });
-  }
   if (top_p < 1) {
     double total = 0;
     for (auto c = cand.begin(); c != end; ++c) total += c->e;
@@ -310,10 +328,12 @@ torch::Tensor random_pick(const torch::Tensor& logits, const torch::Tensor& temp
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> cand;
+    std::vector<float> scratch;
     for (int64_t r = begin; r < end; ++r)
       o[r] = pick_row(lp + r * V, V, t.data_ptr<float>()[r], k.data_ptr<int64_t>()[r],
                       p.data_ptr<float>()[r], mp.data_ptr<float>()[r],
-                      row_key(s.data_ptr<int64_t>()[r], pos.data_ptr<int64_t>()[r]), cand);
+                      row_key(s.data_ptr<int64_t>()[r], pos.data_ptr<int64_t>()[r]), cand,
+                      scratch);
   });
   return out;
 }

@@ -68,6 +68,8 @@ inline void store_bf16(void* p, __m512 v) {
 // The 8-lane forms of the above, for CPUs with AVX2 and FMA but no AVX-512 (e.g. AMD Zen 2).
 #include <immintrin.h>
 
+#include <initializer_list>
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
