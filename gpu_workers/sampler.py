@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from msgspec import Struct
 
 import kernels
-from kernels.sampling import filter_logits, race, uniform_noise
+from kernels.sampling import SamplingColumns, filter_logits, race, uniform_noise
 from surge.protocol import ScheduledSeq, TokenLogprobs
 
 _ACCEPT_STREAM = 0x5DEECE66D  # xored into the seed for speculative acceptance draws
@@ -31,20 +30,11 @@ def _new_tensors(device: torch.device) -> Column:
     return lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
 
 
-class SamplingBatch(Struct, kw_only=True):
+class SamplingBatch(SamplingColumns, kw_only=True):
     """The sampling parameters of the rows of one step, as tensors, with what the host already
     knows of them (so no stage has to ask the device whether it is needed)."""
 
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    positions: torch.Tensor  # the position of the token being sampled
     any_random: bool  # some row samples (temperature > 0)
-    max_top_k: int  # the largest top_k asked for (0: none)
-    any_top_p: bool
-    any_min_p: bool
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None

@@ -7,15 +7,15 @@ sequence recomputed after preemption or a worker restart samples exactly what it
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
+from msgspec import Struct
 
 _MASK = 0xFFFFFFFF
 
 
-class SamplingColumns(Protocol):
-    """The rows' sampling parameters as tensors (gpu_workers.sampler.SamplingBatch)."""
+class SamplingColumns(Struct, kw_only=True):
+    """The rows' sampling parameters the picks read, as tensors (gpu_workers.sampler's
+    SamplingBatch adds the rest)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor

@@ -237,6 +237,16 @@ def test_rows_past_the_cpp_products_read_the_packed_copy():
         torch.testing.assert_close(layer(x), x @ weight.T, rtol=2**-7, atol=1e-2)
 
 
+def _assert_within_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                                 ) -> None:
+    """got is x W^T in bf16: one rounding of an fp32 sum to bf16, plus the fp32 sum's own error
+    where terms cancel."""
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 20), st.integers(1, 700), st.integers(1, 70), seeds)
 def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, seed):
@@ -245,11 +255,7 @@ def test_small_m_linear_is_within_bf16_rounding_of_the_exact_product(m, k, n, se
     torch.manual_seed(seed)
     x, weight = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     got = extension().small_m_linear(x, weight)
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    exact = x.double() @ weight.double().T
-    # One rounding of an fp32 sum to bf16, plus the fp32 sum's own error where terms cancel.
-    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
-    assert ((got.double() - exact).abs() <= bound).all()
+    _assert_within_bf16_rounding(got, x, weight)
 
 
 @settings(max_examples=40, deadline=None)
@@ -260,10 +266,7 @@ def test_bf16_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, see
     torch.manual_seed(seed)
     x, weight = torch.randn(m, 32 * k32).bfloat16(), torch.randn(n, 32 * k32).bfloat16()
     got = extension().bf16_linear(x, weight)
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    exact = x.double() @ weight.double().T
-    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
-    assert ((got.double() - exact).abs() <= bound).all()
+    _assert_within_bf16_rounding(got, x, weight)
     for rows in (slice(0, 1), slice(0, m // 2 + 1), slice(m // 3, m)):  # same bits alone
         assert torch.equal(extension().bf16_linear(x[rows], weight), got[rows])
     if "avx512f" not in _cpu_flags():  # the 8-lane sums of the vector product (up to 4 rows)
@@ -280,10 +283,7 @@ def test_amx_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, seed
     torch.manual_seed(seed)
     x, weight = torch.randn(m, 32 * k32).bfloat16(), torch.randn(n, 32 * k32).bfloat16()
     got = extension().amx_linear(x, weight)
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    exact = x.double() @ weight.double().T
-    bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
-    assert ((got.double() - exact).abs() <= bound).all()
+    _assert_within_bf16_rounding(got, x, weight)
 
 
 def test_amx_is_found_where_the_cpu_has_it():

@@ -1,5 +1,5 @@
-// The product shared by the weight formats (int4.cpp, int8.cpp, and bf16 in layer.cpp where
-// oneDNN has no bf16 path), y = x W^T with x in fp32 and W read through its format's `load`,
+// The product shared by the weight formats (int4.cpp, int8.cpp, and bf16_linear in gemv.cpp
+// for CPUs where oneDNN has no bf16 path), y = x W^T with x in fp32 and W read through its format's `load`,
 // which gives 32 columns of a task's W rows in fp32. Every W value is the same fp32 whatever
 // the rows, and every sum runs in the same order (a vector's lanes, k ascending), so a row of y
 // has the same bits alone or in a batch.
