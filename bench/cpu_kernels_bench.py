@@ -66,12 +66,54 @@ def time_alternately(fns: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# The read roof of decode attention's memory access: every K and V row a row's keys see, in
+# block-table order, summed as bytes by a plain loop over (sequence, KV head) on every thread. No
+# attention kernel can read the same rows faster than this one reads them.
+_READ_ROWS = """
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+int64_t read_rows(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& tables, int64_t context) {
+  const int64_t kv_heads = k_cache.size(0), blocks = k_cache.size(1), block = k_cache.size(2);
+  const int64_t row = k_cache.stride(2) * k_cache.element_size(), seqs = tables.size(0);
+  const auto* k = static_cast<const uint8_t*>(k_cache.data_ptr());
+  const auto* v = static_cast<const uint8_t*>(v_cache.data_ptr());
+  const int64_t* table = tables.data_ptr<int64_t>();
+  std::vector<uint64_t> sums(seqs * kv_heads);
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / kv_heads, h = unit % kv_heads;
+      uint64_t sum = 0;
+      for (int64_t t = 0; t < context; ++t) {
+        const int64_t at = ((h * blocks + table[s * tables.size(1) + t / block]) * block
+                            + t % block) * row;
+        for (int64_t b = 0; b < row; b += 8)
+          sum += *reinterpret_cast<const uint64_t*>(k + at + b)
+                 + *reinterpret_cast<const uint64_t*>(v + at + b);
+      }
+      sums[unit] = sum;
+    }
+  });
+  uint64_t total = 0;
+  for (const uint64_t s : sums) total += s;
+  return static_cast<int64_t>(total);
+}
+"""
+
+
 def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: torch.dtype,
                     block: int = 16, heads: int = 9, kv_heads: int = 3, dim: int = 64
                     ) -> dict[str, float]:
-    """Seconds of one layer's decode attention, C++ and reference, on shuffled blocks. Each call
-    reads the next of `layers` caches, as a step reads each layer's in turn: with enough layers
-    the K/V comes from memory, not from a cache the last call warmed."""
+    """Seconds of one layer's decode attention, C++ and reference, and of reading its K/V rows
+    alone (the roof), on shuffled blocks. Each call reads the next of `layers` caches, as a step
+    reads each layer's in turn: with enough layers the K/V comes from memory, not from a cache
+    the last call warmed."""
+    from torch.utils.cpp_extension import load_inline
+
+    roof = load_inline("surge_read_rows", _READ_ROWS, functions=["read_rows"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"])
     blocks = seqs * (-(-context // block))
     caches = [(torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype),
                torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype)) for _ in range(layers)]
@@ -80,16 +122,22 @@ def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: t
     q = torch.randn(seqs, heads, dim, dtype=dtype)
     plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0]),
              "reference": attention.plan_decode(tables, lens, caches[0][0])}
-    turn = {"cpp": 0, "reference": 0}
+    turn = [0]  # one count for both: no call reads a cache the call before it warmed
 
     def run(name: str, kernel: Callable) -> None:
-        k_cache, v_cache = caches[turn[name] % layers]
-        turn[name] += 1
+        k_cache, v_cache = caches[turn[0] % layers]
+        turn[0] += 1
         kernel(q, k_cache, v_cache, plans[name], 0.125)
+
+    def read() -> None:
+        k_cache, v_cache = caches[turn[0] % layers]
+        turn[0] += 1
+        roof.read_rows(k_cache, v_cache, tables, context)
 
     return time_alternately({
         "cpp": lambda: run("cpp", attention_cpu.decode_attention),
         "reference": lambda: run("reference", attention.decode_attention),
+        "read_roof": read,
     }, repeats)
 
 
@@ -158,7 +206,10 @@ def main() -> None:
               f"of {args.attention_dtype} "
               f"K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
               f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), reference "
-              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s; "
+              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s; reading the "
+              f"same rows alone {t['read_roof'] * 1e6:.0f} us = {attn['read_roof_gbs']:.1f} GB/s "
+              f"({attn['read_roof_gbs'] / bandwidth:.0%}; the C++ kernel at "
+              f"{attn['cpp_gbs'] / attn['read_roof_gbs']:.0%} of it); "
               f"{args.attention_layers} layers' caches in turn")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.output:

@@ -62,8 +62,10 @@ def test_the_extension_builds_where_a_compiler_exists():
     assert str(picked) == "cpu kernels (auto on cpu)" or extension() is None
 
 
+# Head dims: the vector paths unroll 64 and 128; 80 takes their loops over 8- and 16-lane pieces.
 shapes = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),
-                   st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.bfloat16]),
+                   st.sampled_from([64, 80, 128]),
+                   st.sampled_from([torch.float32, torch.bfloat16]),
                    st.lists(st.integers(1, 80), min_size=1, max_size=5))
 # (window, softcap): none, a sliding window shorter than most contexts, Gemma's soft cap.
 extras = st.sampled_from([(0, 0.0), (7, 0.0), (0, 5.0), (20, 5.0)])
@@ -92,7 +94,7 @@ def test_decode_attention(shape, extra, seed):
 # Contexts past the kernel's 512-key spans: a row of several spans merges them (and with a
 # window, its first visible key need not start a span).
 long_shapes = st.tuples(st.sampled_from([16, 32]), st.sampled_from([(9, 3), (8, 1)]),
-                        st.sampled_from([64, 128]),
+                        st.sampled_from([64, 96, 128]),
                         st.sampled_from([torch.float32, torch.bfloat16]),
                         st.lists(st.integers(1, 1600), min_size=1, max_size=3))
 

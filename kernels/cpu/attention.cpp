@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_avx2.h"
 #include "attention_bf16.h"
 #include "vec_math.h"
 
@@ -74,14 +75,6 @@ inline __m512 dot_lanes(const T* q, const T* k, int64_t dim) {
   for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
   return acc;
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// 8 lanes of partial sums of q . k (dim a multiple of 8).
-template <typename T>
-inline __m256 dot_lanes(const T* q, const T* k, int64_t dim) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(k + d), acc);
-  return acc;
-}
 #endif
 
 // s[t] = e^(s[t] - top); returns their sum.
@@ -97,13 +90,19 @@ inline float exps(float* s, int64_t n, float top) {
   }
   return _mm512_reduce_add_ps(total);
 #elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 shift = _mm256_set1_ps(top);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (t < n) {
     const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 x = _mm256_maskload_ps(s + t, lanes);
-    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, _mm256_set1_ps(top))),
-                                   _mm256_castsi256_ps(lanes));
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, shift)), _mm256_castsi256_ps(lanes));
     _mm256_maskstore_ps(s + t, lanes, e);
     total = _mm256_add_ps(total, e);
   }
@@ -118,6 +117,32 @@ inline float exps(float* s, int64_t n, float top) {
 #endif
 }
 
+// The largest of s[0, n), n >= 1.
+inline float largest(const float* s, int64_t n) {
+  float top = s[0];
+  int64_t t = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {  // 8-lane maxima also on AVX-512 CPUs: the scores are in L1, n at most kSpan
+    __m256 a = _mm256_loadu_ps(s);
+    for (t = 8; t + 8 <= n; t += 8) a = _mm256_max_ps(a, _mm256_loadu_ps(s + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  return top;
+}
+
+// A head's n scores soft-capped (softcap > 0), then s[t] = e^(s[t] - m) with m their largest;
+// returns the sum.
+inline float exponentiate(float* s, int64_t n, float softcap, float* m) {
+  if (softcap > 0.0f)
+    for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  *m = largest(s, n);
+  return exps(s, n, *m);
+}
+
 template <typename T>
 float dot(const T* q, const T* k, int64_t dim) {
   float sum = 0.0f;
@@ -125,26 +150,27 @@ float dot(const T* q, const T* k, int64_t dim) {
   return sum;
 }
 
-// One thread's scratch: a span's scores per head, its keys' offsets, and the value pass's rows
-// and sums: widened V rows [16, D] (generic), or the bf16 pass's weight pairs [G, kSpan / 2],
-// interleaved rows [8, D / 32, 2] and sums [G, D].
+// One thread's scratch: a span's scores per head, its keys' offsets, the group's queries in
+// float32 (AVX2), and the value pass's rows and sums: widened V rows [16, D] (generic), or the
+// bf16 pass's weight pairs [G, kSpan / 2], interleaved rows [8, D / 32, 2] and sums [G, D].
 struct Scratch {
-  std::vector<float> scores, v_rows, sums;
+  std::vector<float> scores, v_rows, sums, queries;
   std::vector<int64_t> offsets;
   std::vector<uint32_t> pairs;
 #if defined(__AVX512F__)
   std::vector<__m512i> interleaved;
 #endif
   Scratch(int64_t group, int64_t dim)
-      : scores(group * kSpan), v_rows(kLanes * dim), sums(group * dim), offsets(kSpan),
-        pairs(group * kSpan / 2)
+      : scores(group * kSpan), v_rows(kLanes * dim), sums(group * dim), queries(group * dim),
+        offsets(kSpan), pairs(group * kSpan / 2)
 #if defined(__AVX512F__)
         , interleaved(kLanes * dim / 32 + 1)
 #endif
   {}
 };
 
-// Vector paths need 16-lane rows (and not double, which only the scalar path takes).
+// Vector paths need 16-lane rows on AVX-512, 8-lane ones on AVX2 (and not double, which only
+// the scalar path takes).
 template <typename T>
 bool vectorized(int64_t dim) {
 #if defined(__AVX512F__)
@@ -174,17 +200,6 @@ void score(const T* q, const T* k_cache, const int64_t* offsets, int64_t n, int6
         s[t] = _mm512_reduce_add_ps(dot_lanes(q, k_cache + offsets[t], dim)) * scale;
     }
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (!std::is_same_v<T, double>) {
-    if (vectorized<T>(dim)) {
-      for (; t + 8 <= n; t += 8) {
-        __m256 parts[8];
-        for (int64_t j = 0; j < 8; ++j) parts[j] = dot_lanes(q, k_cache + offsets[t + j], dim);
-        _mm256_storeu_ps(s + t, _mm256_mul_ps(reduce8(parts), _mm256_set1_ps(scale)));
-      }
-      for (; t < n; ++t) s[t] = sum8(dot_lanes(q, k_cache + offsets[t], dim)) * scale;
-    }
-  }
 #endif
   for (; t < n; ++t) s[t] = dot(q, k_cache + offsets[t], dim) * scale;
 }
@@ -199,13 +214,6 @@ inline void weigh(float* acc, const float* w, const float* rows, int64_t n, int6
       a = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(rows + j * dim + d), a);
     _mm512_storeu_ps(acc + d, a);
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (; d + 8 <= dim; d += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d);
-    for (int64_t j = 0; j < n; ++j)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows + j * dim + d), a);
-    _mm256_storeu_ps(acc + d, a);
-  }
 #endif
   for (; d < dim; ++d)
     for (int64_t j = 0; j < n; ++j) acc[d] += w[j] * rows[j * dim + d];
@@ -218,13 +226,6 @@ void widen(const T* v, float* out, int64_t dim) {
   if constexpr (!std::is_same_v<T, double>) {
     if (vectorized<T>(dim)) {
       for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(out + d, load16(v + d));
-      return;
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (!std::is_same_v<T, double>) {
-    if (vectorized<T>(dim)) {
-      for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out + d, load8(v + d));
       return;
     }
   }
@@ -248,10 +249,7 @@ void attend_span_bf16(const Problem<c10::BFloat16>& p, const c10::BFloat16* q,
     float* s = scratch.scores.data() + g * kSpan;
     span::score<kChunks>(q + g * dim, p.k_cache, p.v_cache, offsets, n, p.scale, s,
                          g == 0 ? span::kAhead : 0);
-    if (p.softcap > 0.0f)
-      for (int64_t t = 0; t < n; ++t) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
-    m[g] = *std::max_element(s, s + n);
-    exps(s, n, m[g]);
+    exponentiate(s, n, p.softcap, m + g);
     l[g] = span::to_pairs(s, n, scratch.pairs.data() + g * kSpan / 2);
   }
   float* sums = scratch.sums.data();
@@ -264,6 +262,47 @@ void attend_span_bf16(const Problem<c10::BFloat16>& p, const c10::BFloat16* q,
                      scratch.interleaved.data(), count);
   }
   for (int64_t g = 0; g < group; ++g) span::deinterleave(sums + g * dim, acc + g * dim, dim);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// pass(g, H) for the group's heads three at a time: g the first, H (a compile-time count) of them.
+template <typename Pass>
+void by_threes(int64_t group, Pass&& pass) {
+  for (int64_t g = 0; g < group; g += 3) {
+    switch (std::min<int64_t>(3, group - g)) {
+      case 3: pass(g, std::integral_constant<int, 3>{}); break;
+      case 2: pass(g, std::integral_constant<int, 2>{}); break;
+      default: pass(g, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
+// attend_span's passes on 8-lane vectors (attention_avx2.h): the scores of up to three heads
+// per pass over the keys, then their values weighed the same way.
+template <typename T>
+void attend_span_avx2(const Problem<T>& p, const T* q, const int64_t* offsets, int64_t n,
+                      Scratch& scratch, float* acc, float* m, float* l) {
+  const int64_t group = p.group(), dim = p.dim;
+  float* queries = scratch.queries.data();
+  float* s = scratch.scores.data();
+  for (int64_t x = 0; x < group * dim; x += 8) _mm256_storeu_ps(queries + x, load8(q + x));
+  by_threes(group, [&](int64_t g, auto heads) {
+    auto pass = [&](auto chunks) {
+      avx2_span::score<heads(), chunks()>(queries + g * dim, p.k_cache, p.v_cache, offsets, n,
+                                          dim, p.scale, s + g * kSpan, kSpan, g == 0);
+    };
+    switch (dim) {
+      case 64: return pass(std::integral_constant<int, 8>{});
+      case 128: return pass(std::integral_constant<int, 16>{});
+      default: return pass(std::integral_constant<int, 0>{});
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) l[g] = exponentiate(s + g * kSpan, n, p.softcap, m + g);
+  std::fill(acc, acc + group * dim, 0.0f);
+  by_threes(group, [&](int64_t g, auto heads) {
+    avx2_span::weigh<heads()>(s + g * kSpan, kSpan, p.v_cache, offsets, n, dim, acc + g * dim);
+  });
 }
 #endif
 
@@ -288,13 +327,14 @@ void attend_span(const Problem<T>& p, int64_t i, int64_t kh, int64_t lo, int64_t
     }
   }
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>)
+    if (vectorized<T>(dim)) return attend_span_avx2(p, q, offsets, n, scratch, acc, m, l);
+#endif
   for (int64_t g = 0; g < group; ++g) {
     float* s = scratch.scores.data() + g * kSpan;
     score(q + g * dim, p.k_cache, offsets, n, dim, p.scale, s);
-    if (p.softcap > 0.0f)
-      for (int64_t t = 0; t < n; ++t) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
-    m[g] = *std::max_element(s, s + n);
-    l[g] = exps(s, n, m[g]);
+    l[g] = exponentiate(s, n, p.softcap, m + g);
     std::fill(acc + g * dim, acc + (g + 1) * dim, 0.0f);
   }
   // The values, a group of keys at a time: widened once, then weighed for every head.

@@ -1,5 +1,28 @@
-// Vector math the kernels share.
+// Vector math and cache prefetches the kernels share.
 #pragma once
+
+#include <cstdint>
+
+// Every cache line of n rows of row_bytes at these offsets into `rows`, ahead of their use, into
+// L1 (Locality 3) or L2 (2): a paged cache's blocks lie anywhere in its pool, so the hardware
+// prefetcher only ever sees one block at a time. Always inlined, as must be every function that
+// only prefetches: GCC counts a prefetch as no effect and deletes a call to one.
+template <int Locality, typename T>
+[[gnu::always_inline]] inline void prefetch_rows(const T* rows, const int64_t* offsets, int64_t n,
+                                                 int64_t row_bytes) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + offsets[t]) + b, 0, Locality);
+}
+
+// The K rows (into L1) and V rows (into L2: they are weighed after every key is scored) of n keys.
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_kv(const T* k_cache, const T* v_cache,
+                                               const int64_t* offsets, int64_t n,
+                                               int64_t row_bytes) {
+  prefetch_rows<3>(k_cache, offsets, n, row_bytes);
+  prefetch_rows<2>(v_cache, offsets, n, row_bytes);
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -116,14 +139,6 @@ inline __m256 log8(__m256 x) {
   y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
   y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
   return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
-}
-
-// Lane t of the result is the sum of v[t]'s lanes (8 dot products reduced at once).
-inline __m256 reduce8(const __m256* v) {
-  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
 inline float sum8(__m256 v) {
