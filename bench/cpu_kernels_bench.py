@@ -21,6 +21,7 @@ parallel region waits for both cores (a busy one costs a scheduler slice, millis
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -122,16 +123,14 @@ def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: t
     q = torch.randn(seqs, heads, dim, dtype=dtype)
     plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0]),
              "reference": attention.plan_decode(tables, lens, caches[0][0])}
-    turn = [0]  # one count for both: no call reads a cache the call before it warmed
+    turns = itertools.count()  # one count for all: no call reads a cache the call before warmed
 
     def run(name: str, kernel: Callable) -> None:
-        k_cache, v_cache = caches[turn[0] % layers]
-        turn[0] += 1
+        k_cache, v_cache = caches[next(turns) % layers]
         kernel(q, k_cache, v_cache, plans[name], 0.125)
 
     def read() -> None:
-        k_cache, v_cache = caches[turn[0] % layers]
-        turn[0] += 1
+        k_cache, v_cache = caches[next(turns) % layers]
         roof.read_rows(k_cache, v_cache, tables, context)
 
     return time_alternately({

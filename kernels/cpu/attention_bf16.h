@@ -25,8 +25,8 @@ inline __m512i load(const bf16* p) { return _mm512_loadu_si512(p); }
 
 // The K and V rows of keys [t, t + 16) ahead of their use (inlined, as prefetch_kv says why).
 template <int kChunks>
-[[gnu::always_inline]] inline void prefetch(const bf16* k_cache, const bf16* v_cache, const int64_t* offsets, int64_t t,
-              int64_t n) {
+[[gnu::always_inline]] inline void prefetch(const bf16* k_cache, const bf16* v_cache,
+                                            const int64_t* offsets, int64_t t, int64_t n) {
   prefetch_kv(k_cache, v_cache, offsets + t, std::min<int64_t>(16, n - t), 64 * kChunks);
 }
 
