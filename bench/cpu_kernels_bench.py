@@ -7,10 +7,13 @@ same weight, in microseconds and in GB/s of bf16 weights read, beside the machin
 measured copy bandwidth; and decode attention over the paged KV cache (64 sequences at
 context 512 by default, the bundled model's 9 query / 3 KV heads of 64), the C++ kernel against
 the reference, in GB/s of K/V read (each call on the next of 12 layers' caches, 300 MB, as a
-step reads them: from memory, not from the last-level cache).
+step reads them: from memory, not from the last-level cache); with --shared, decode rows that
+begin with the same blocks, read once for all (cascade) against once per row; with --prefill,
+prefill attention of fresh prompts, in GFLOP/s.
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
-       [--repeats 30] [--threads N] [--attention-dtype float32] [--output result.json]
+       [--repeats 30] [--threads N] [--attention-dtype float32] [--shared KEYS]
+       [--prefill 512,2048] [--output result.json]
 
 Where oneDNN has no bf16 path (AVX2-only CPUs) there are no packed weights: that column is nan.
 
@@ -104,12 +107,14 @@ int64_t read_rows(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
 
 
 def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: torch.dtype,
-                    block: int = 16, heads: int = 9, kv_heads: int = 3, dim: int = 64
-                    ) -> dict[str, float]:
-    """Seconds of one layer's decode attention, C++ and reference, and of reading its K/V rows
-    alone (the roof), on shuffled blocks. Each call reads the next of `layers` caches, as a step
-    reads each layer's in turn: with enough layers the K/V comes from memory, not from a cache
-    the last call warmed."""
+                    shared: int = 0, block: int = 16, heads: int = 9, kv_heads: int = 3,
+                    dim: int = 64) -> dict[str, float]:
+    """Seconds of one layer's decode attention, C++ and reference, and (without `shared`) of
+    reading its K/V rows alone (the roof), on shuffled blocks. Each call reads the next of
+    `layers` caches, as a step reads each layer's in turn: with enough layers the K/V comes from
+    memory, not from a cache the last call warmed. With `shared` keys (whole blocks) at the head
+    of every table, the same blocks (a shared prompt): the C++ kernel reads them once for all
+    rows (cascade), and cpp_per_row is the same kernel told nothing of it."""
     from torch.utils.cpp_extension import load_inline
 
     roof = load_inline("surge_read_rows", _READ_ROWS, functions=["read_rows"],
@@ -119,10 +124,13 @@ def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: t
     caches = [(torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype),
                torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype)) for _ in range(layers)]
     tables = torch.randperm(blocks).view(seqs, -1)
+    shared_blocks = shared // block
+    tables[:, :shared_blocks] = tables[0, :shared_blocks].clone()
     lens = torch.full((seqs,), context)
     q = torch.randn(seqs, heads, dim, dtype=dtype)
-    plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0]),
-             "reference": attention.plan_decode(tables, lens, caches[0][0])}
+    plans = {"cpp": attention_cpu.plan_decode(tables, lens, caches[0][0], shared_blocks),
+             "cpp_per_row": attention_cpu.plan_decode(tables, lens, caches[0][0]),
+             "reference": attention.plan_decode(tables, lens, caches[0][0], shared_blocks)}
     turns = itertools.count()  # one count for all: no call reads a cache the call before warmed
 
     def run(name: str, kernel: Callable) -> None:
@@ -133,11 +141,27 @@ def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: t
         k_cache, v_cache = caches[next(turns) % layers]
         roof.read_rows(k_cache, v_cache, tables, context)
 
-    return time_alternately({
-        "cpp": lambda: run("cpp", attention_cpu.decode_attention),
-        "reference": lambda: run("reference", attention.decode_attention),
-        "read_roof": read,
-    }, repeats)
+    fns = {"cpp": lambda: run("cpp", attention_cpu.decode_attention),
+           "reference": lambda: run("reference", attention.decode_attention)}
+    if shared_blocks:  # the roof reads each row's rows: not a bound on reading shared ones once
+        fns["cpp_per_row"] = lambda: run("cpp_per_row", attention_cpu.decode_attention)
+    else:
+        fns["read_roof"] = read
+    return time_alternately(fns, repeats)
+
+
+def prefill_rates(length: int, repeats: int, dtype: torch.dtype, block: int = 16,
+                  heads: int = 9, kv_heads: int = 3, dim: int = 64) -> dict[str, float]:
+    """Seconds of one layer's prefill attention over a fresh prompt of `length` tokens (one
+    chunk, its K/V already in shuffled blocks), C++ and reference."""
+    blocks = -(-length // block)
+    k_cache, v_cache = (torch.randn(kv_heads, blocks, block, dim, dtype=dtype) for _ in "kv")
+    tables = torch.randperm(blocks)[None]
+    q = torch.randn(length, heads, dim, dtype=dtype)
+    args = (q, k_cache, v_cache, tables, torch.tensor([0, length]), torch.tensor([length]),
+            length, 0.125)
+    return time_alternately({"cpp": lambda: attention_cpu.prefill_attention(*args),
+                             "reference": lambda: attention.prefill_attention(*args)}, repeats)
 
 
 def main() -> None:
@@ -150,6 +174,10 @@ def main() -> None:
     parser.add_argument("--attention-layers", type=int, default=12,
                         help="caches the attention calls take in turn (1: the same, warm one)")
     parser.add_argument("--attention-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--shared", type=int, default=0,
+                        help="decode attention: keys every sequence begins with (a shared prompt)")
+    parser.add_argument("--prefill", default="",
+                        help="prefill attention of fresh prompts of these lengths, e.g. 512,2048")
     parser.add_argument("--output")
     args = parser.parse_args()
     if args.threads:
@@ -196,25 +224,41 @@ def main() -> None:
     if args.attention:
         seqs, context = (int(v) for v in args.attention.split("x"))
         dtype = getattr(torch, args.attention_dtype)
-        # K and V, 3 KV heads of 64
-        kv_bytes = 2 * seqs * context * 3 * 64 * dtype.itemsize
-        t = attention_rates(seqs, context, args.repeats, args.attention_layers, dtype)
+        # K and V, 3 KV heads of 64; shared blocks counted once
+        keys = seqs * context - (seqs - 1) * (args.shared // 16 * 16)
+        kv_bytes = 2 * keys * 3 * 64 * dtype.itemsize
+        t = attention_rates(seqs, context, args.repeats, args.attention_layers, dtype,
+                            args.shared)
         attn = {f"{key}_us": s * 1e6 for key, s in t.items()}
         attn.update({f"{key}_gbs": kv_bytes / s / 1e9 for key, s in t.items()})
         print(f"decode attention, {seqs} sequences at context {context} ({kv_bytes / 1e6:.1f} MB "
-              f"of {args.attention_dtype} "
-              f"K/V): C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
-              f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), reference "
-              f"{t['reference'] * 1e6:.0f} us = {attn['reference_gbs']:.1f} GB/s; reading the "
-              f"same rows alone {t['read_roof'] * 1e6:.0f} us = {attn['read_roof_gbs']:.1f} GB/s "
-              f"({attn['read_roof_gbs'] / bandwidth:.0%}; the C++ kernel at "
-              f"{attn['cpp_gbs'] / attn['read_roof_gbs']:.0%} of it); "
-              f"{args.attention_layers} layers' caches in turn")
+              f"of {args.attention_dtype} K/V): C++ {t['cpp'] * 1e6:.0f} us = "
+              f"{attn['cpp_gbs']:.1f} GB/s ({attn['cpp_gbs'] / bandwidth:.0%} of copy "
+              f"bandwidth), reference {t['reference'] * 1e6:.0f} us = "
+              f"{attn['reference_gbs']:.1f} GB/s; {args.attention_layers} layers' caches in turn")
+        if "read_roof" in t:
+            print(f"  reading the same rows alone {t['read_roof'] * 1e6:.0f} us = "
+                  f"{attn['read_roof_gbs']:.1f} GB/s ({attn['read_roof_gbs'] / bandwidth:.0%}; the "
+                  f"C++ kernel at {attn['cpp_gbs'] / attn['read_roof_gbs']:.0%} of it)")
+        else:
+            print(f"  the first {args.shared} keys shared by all (counted once above): read once "
+                  f"for all rows {t['cpp'] * 1e6:.0f} us, once per row "
+                  f"{t['cpp_per_row'] * 1e6:.0f} us ({t['cpp_per_row'] / t['cpp']:.2f}x)")
+    prefill = []
+    for length in (int(v) for v in args.prefill.split(",") if v):
+        dtype = getattr(torch, args.attention_dtype)
+        t = prefill_rates(length, args.repeats, dtype)
+        flops = 2 * 2 * 9 * 64 * length * (length + 1) / 2  # q.k and p.v over the causal half
+        prefill.append({"length": length, **{f"{key}_us": s * 1e6 for key, s in t.items()},
+                        **{f"{key}_gflops": flops / s / 1e9 for key, s in t.items()}})
+        print(f"prefill attention, a fresh prompt of {length} tokens ({args.attention_dtype}): "
+              f"C++ {t['cpp'] * 1e6:.0f} us = {prefill[-1]['cpp_gflops']:.1f} GFLOP/s, reference "
+              f"{t['reference'] * 1e6:.0f} us = {prefill[-1]['reference_gflops']:.1f} GFLOP/s")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "amx": amx,
-                       "rows": rows_out, "attention": attn,
+                       "rows": rows_out, "attention": attn, "prefill": prefill,
                        "attention_dtype": args.attention_dtype}, f,
                       indent=1)
 

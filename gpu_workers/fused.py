@@ -54,9 +54,11 @@ def _projection(module: nn.Module) -> list[torch.Tensor] | None:
     return None
 
 
-def attention_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tables, seq_of, visible) for the whole step: decode rows read their own table rows,
-    prefill tokens their chunk's, each seeing its context up to itself."""
+def attention_rows(meta: AttentionMetadata, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(tables, seq_of, visible, shared_rows, shared_keys) for the whole step: decode rows read
+    their own table rows, prefill tokens their chunk's, each seeing its context up to itself;
+    the decode rows' shared leading blocks are read once for all of them (cascade)."""
     nd = meta.num_decode
     seq_of, visible = prefill_rows(meta.prefill_query_start, meta.prefill_context_lens)
     width = max(meta.decode_block_tables.shape[1], meta.prefill_block_tables.shape[1])
@@ -64,14 +66,15 @@ def attention_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
                         (meta.decode_block_tables, meta.prefill_block_tables)])
     return (tables.to(torch.int64),
             torch.cat([torch.arange(nd, device=tables.device), seq_of + nd]),
-            torch.cat([meta.decode_context_lens, visible]).to(torch.int64))
+            torch.cat([meta.decode_context_lens, visible]).to(torch.int64),
+            nd, meta.decode_shared_blocks * block_size)
 
 
 def run_layers(model: LlamaModel, x: torch.Tensor, residual: torch.Tensor | None,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                kv_caches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's layers, one decoder_layer call each."""
-    rows = attention_rows(meta)
+    rows = attention_rows(meta, kv_caches.shape[-2])
     for layer, weights, kv_cache in zip(model.layers, model.fused, kv_caches, strict=True):
         attn = layer.attn
         x, residual = model.ops.decoder_layer(

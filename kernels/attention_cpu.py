@@ -14,21 +14,23 @@ class DecodePlan(NamedTuple):
     tables: torch.Tensor  # [B, max_blocks]
     seq_of: torch.Tensor  # [B]: row i reads table i
     visible: torch.Tensor  # [B]: the context each sees
+    shared_keys: int  # the keys of the blocks every table begins with, read once for all rows
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
                 shared_blocks: int = 0) -> DecodePlan:
-    """shared_blocks is accepted for the reference's signature; shared blocks are read once
-    per query (no cascade yet)."""
+    """As kernels.attention.plan_decode: the first shared_blocks blocks, the same in every
+    table and full, are read once for all the queries (cascade)."""
     rows = torch.arange(block_tables.shape[0], device=block_tables.device)
-    return DecodePlan(block_tables, rows, context_lens)
+    return DecodePlan(block_tables, rows, context_lens, shared_blocks * k_cache.shape[2])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      plan: DecodePlan, scale: float, window: int = 0, softcap: float = 0.0
                      ) -> torch.Tensor:
     return extension().paged_attention(q, k_cache, v_cache, plan.tables, plan.seq_of,
-                                       plan.visible, scale, window, softcap)
+                                       plan.visible, scale, window, softcap, len(q),
+                                       plan.shared_keys)
 
 
 def prefill_attention(
@@ -38,7 +40,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     seq_of, visible = prefill_rows(query_start, context_lens)
     return extension().paged_attention(q, k_cache, v_cache, block_tables, seq_of, visible, scale,
-                                       window, softcap)
+                                       window, softcap, 0, 0)
 
 
 def prefill_rows(query_start: torch.Tensor, context_lens: torch.Tensor

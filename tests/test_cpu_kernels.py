@@ -120,7 +120,7 @@ def test_decode_attention_over_several_spans(shape, extra, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_attention_does_not_depend_on_the_batch(dtype):
     """The spans start at fixed positions and merge in order: a row alone, in a batch, and as
-    the last query of a prefill chunk give the same bits."""
+    a query of a prefill chunk give the same bits."""
     lengths = [1300, 40, 700]
     k_cache, v_cache, tables, _, _ = _paged(lengths, 16, 3, 64, num_blocks=160)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
@@ -133,10 +133,17 @@ def test_a_rows_attention_does_not_depend_on_the_batch(dtype):
             q[i:i + 1], k_cache, v_cache,
             attention_cpu.plan_decode(tables[i:i + 1], lens[i:i + 1], k_cache), 0.125)
         assert torch.equal(alone[0], together[i])
-    chunk = torch.cat([torch.randn(2, 9, 64).to(dtype), q[:1]])
+    # A prefill chunk's tokens are read in tiles of several rows (here across the end of a
+    # span, at 512 keys): each token's row has the bits it has decoded alone.
+    chunk = torch.randn(40, 9, 64).to(dtype)
     prefill = attention_cpu.prefill_attention(chunk, k_cache, v_cache, tables[:1],
-                                              torch.tensor([0, 3]), lens[:1], 3, 0.125)
-    assert torch.equal(prefill[2], together[0])
+                                              torch.tensor([0, 40]), torch.tensor([530]), 40,
+                                              0.125)
+    for j in range(40):
+        alone = attention_cpu.decode_attention(
+            chunk[j:j + 1], k_cache, v_cache,
+            attention_cpu.plan_decode(tables[:1], torch.tensor([491 + j]), k_cache), 0.125)
+        assert torch.equal(alone[0], prefill[j])
 
 
 @settings(max_examples=30, deadline=None)
@@ -150,6 +157,55 @@ def test_prefill_attention_with_cached_context(shape, extra, seed, data):
     q = torch.randn(sum(query), h, d).to(dtype)
     args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
             torch.tensor(context), max(query), 0.25, *extra)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(attention_cpu.prefill_attention(*args),
+                               _oracle(attention.prefill_attention, *args), rtol=tol, atol=tol)
+
+
+# Rows that begin with the same blocks (a shared prompt, up to past two spans) and go on with
+# their own: the shared keys are read once for a tile of rows (cascade), then merged with each
+# row's own. With a window the kernel reads each row alone (the window hides the far keys).
+cascades = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),
+                     st.sampled_from([64, 80, 128]),
+                     st.sampled_from([torch.float32, torch.bfloat16]), st.integers(1, 1100),
+                     st.lists(st.integers(1, 80), min_size=1, max_size=24))
+
+
+@settings(max_examples=30, deadline=None)
+@given(cascades, extras, seeds)
+def test_decode_attention_reads_shared_blocks_once_for_all_rows(shape, extra, seed):
+    torch.manual_seed(seed)
+    block_size, (h, kvh), d, dtype, shared_keys, own = shape
+    shared = -(-shared_keys // block_size)
+    lengths = [shared * block_size + n for n in own]
+    k_cache, v_cache, tables, _, _ = _paged(lengths, block_size, kvh, d,
+                                            num_blocks=sum(-(-n // block_size) for n in lengths))
+    tables[:, :shared] = tables[0, :shared].clone()
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(len(lengths), h, d).to(dtype)
+    lens = torch.tensor(lengths)
+    want = _oracle(attention.decode_attention, q, k_cache, v_cache,
+                   attention.plan_decode(tables, lens, k_cache.float()), 0.3, *extra)
+    got = attention_cpu.decode_attention(
+        q, k_cache, v_cache, attention_cpu.plan_decode(tables, lens, k_cache, shared), 0.3,
+        *extra)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@settings(max_examples=10, deadline=None)
+@given(long_shapes, st.sampled_from([(0, 0.0), (700, 0.0), (0, 5.0)]), seeds, st.data())
+def test_prefill_attention_over_several_spans(shape, extra, seed, data):
+    """Long chunks: a tile of a chunk's tokens may straddle a span's end, its earlier rows
+    seeing none of the next span's keys."""
+    torch.manual_seed(seed)
+    block_size, (h, kvh), d, dtype, context = shape
+    query = [data.draw(st.integers(1, min(n, 600))) for n in context]
+    k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=320)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(query), h, d).to(dtype)
+    args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
+            torch.tensor(context), max(query), 0.125, *extra)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(attention_cpu.prefill_attention(*args),
                                _oracle(attention.prefill_attention, *args), rtol=tol, atol=tol)

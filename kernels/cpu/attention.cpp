@@ -2,18 +2,24 @@
 // Every query row carries its own sequence (a block table row) and how many keys it sees, so one
 // kernel serves decode rows and prefill chunks alike.
 //
-// Work is split into units of (query row, KV head, span): a span is up to kSpan keys starting at
-// a multiple of kSpan, so a long context is shared out between threads, and a unit's scores fit
-// in L1/L2. One pass over a unit's keys serves the whole group of query heads (grouped-query
-// attention). Rows with several spans merge them in span order by their log-sum-exp. The span
-// bounds are absolute positions, so a row's result does not depend on the batch around it.
+// Work is split into units of (query rows, KV head, span): a span is up to kSpan keys starting
+// at a multiple of kSpan, so a long context is shared out between threads, and a unit's scores
+// fit in L2. One pass over a unit's keys serves all its query heads: the group of a KV head
+// (grouped-query attention) for each of its rows, which are a prefill chunk's consecutive tokens
+// (a tile: each key read once for all of them) or decode rows over the blocks they all begin
+// with (cascade: a shared prompt read once). Rows with several parts merge them in key order by
+// their log-sum-exp. Without cascade the parts are a row's spans, whose bounds are absolute
+// positions, and a row's arithmetic is the same in any tile: its result does not depend on the
+// batch around it.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +34,9 @@ namespace {
 constexpr int64_t kSpan = 512;
 // Keys scored together: their 16 dot products are reduced into one vector at once.
 constexpr int64_t kLanes = 16;
+// Query heads a unit takes at most (a prefill chunk's tokens, or decode rows sharing keys, times
+// the heads of a KV head's group): their scores, 48 x kSpan floats (96 KB), stay in L2.
+constexpr int64_t kTileHeads = 48;
 
 template <typename T>
 struct Problem {
@@ -46,7 +55,10 @@ struct Problem {
   int64_t first(int64_t i) const {
     return window > 0 ? std::max<int64_t>(0, visible[i] - window) : 0;
   }
-  int64_t spans(int64_t i) const { return (visible[i] - 1) / kSpan - first(i) / kSpan + 1; }
+  // How many of keys [lo, hi) row i sees (lo at or past its first).
+  int64_t seen(int64_t i, int64_t lo, int64_t hi) const {
+    return std::clamp<int64_t>(std::min(hi, visible[i]) - lo, 0, hi - lo);
+  }
   // offsets[t]: where key lo + t of row i's sequence, head kh, lies in either cache (t < n).
   void row_offsets(int64_t i, int64_t kh, int64_t lo, int64_t n, int64_t* offsets) const {
     const int64_t* table = tables + seq_of[i] * table_stride;
@@ -134,13 +146,19 @@ inline float largest(const float* s, int64_t n) {
   return top;
 }
 
-// A head's n scores soft-capped (softcap > 0), then s[t] = e^(s[t] - m) with m their largest;
-// returns the sum.
-inline float exponentiate(float* s, int64_t n, float softcap, float* m) {
+// A head's scores of the first `seen` of n keys soft-capped (softcap > 0), then s[t] =
+// e^(s[t] - m) with m their largest, and 0 for the keys past `seen` (a prefill row's later
+// neighbours, which the value pass still runs over); returns the sum (0, m = -inf: none seen).
+inline float exponentiate(float* s, int64_t n, int64_t seen, float softcap, float* m) {
+  std::fill(s + seen, s + n, 0.0f);
+  if (seen == 0) {
+    *m = -std::numeric_limits<float>::infinity();
+    return 0.0f;
+  }
   if (softcap > 0.0f)
-    for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-  *m = largest(s, n);
-  return exps(s, n, *m);
+    for (int64_t t = 0; t < seen; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  *m = largest(s, seen);
+  return exps(s, seen, *m);
 }
 
 template <typename T>
@@ -150,19 +168,24 @@ float dot(const T* q, const T* k, int64_t dim) {
   return sum;
 }
 
-// One thread's scratch: a span's scores per head, its keys' offsets, the group's queries in
-// float32 (AVX2), and the value pass's rows and sums: widened V rows [16, D] (generic), or the
-// bf16 pass's weight pairs [G, kSpan / 2], interleaved rows [8, D / 32, 2] and sums [G, D].
+// One thread's scratch for a unit of up to `heads` query heads: a span's scores per head, its
+// keys' offsets and how many each head sees, the heads' queries (gathered when the unit has
+// several rows; in float32 for AVX2), and the value pass's rows and sums: widened V rows [16, D]
+// (generic), or the bf16 pass's weight pairs [heads, kSpan / 2], interleaved rows [8, D / 32, 2]
+// and sums [heads, D].
+template <typename T>
 struct Scratch {
-  std::vector<float> scores, v_rows, sums, queries;
-  std::vector<int64_t> offsets;
+  std::vector<float> scores, v_rows, sums, queries, acc;
+  std::vector<int64_t> offsets, seen;
+  std::vector<T> rows;
   std::vector<uint32_t> pairs;
 #if defined(__AVX512F__)
   std::vector<__m512i> interleaved;
 #endif
-  Scratch(int64_t group, int64_t dim)
-      : scores(group * kSpan), v_rows(kLanes * dim), sums(group * dim), queries(group * dim),
-        offsets(kSpan), pairs(group * kSpan / 2)
+  Scratch(int64_t heads, int64_t dim)
+      : scores(heads * kSpan), v_rows(kLanes * dim), sums(heads * dim), queries(heads * dim),
+        acc(heads * (dim + 2)), offsets(kSpan), seen(heads), rows(heads * dim),
+        pairs(heads * kSpan / 2)
 #if defined(__AVX512F__)
         , interleaved(kLanes * dim / 32 + 1)
 #endif
@@ -234,43 +257,43 @@ void widen(const T* v, float* out, int64_t dim) {
 }
 
 #if defined(__AVX512BF16__)
-// attend_span's passes for a bf16 head of kChunks x 32 dims, on pair dot products
+// attend_span's passes for bf16 heads of kChunks x 32 dims, on pair dot products
 // (attention_bf16.h): K and V read as the cache holds them, the weights rounded to bf16.
 template <int kChunks>
-void attend_span_bf16(const Problem<c10::BFloat16>& p, const c10::BFloat16* q,
-                      const int64_t* offsets, int64_t n, Scratch& scratch, float* acc, float* m,
-                      float* l) {
+void attend_span_bf16(const Problem<c10::BFloat16>& p, const c10::BFloat16* q, int64_t heads,
+                      const int64_t* offsets, int64_t n, Scratch<c10::BFloat16>& scratch,
+                      float* acc, float* m, float* l) {
   namespace span = bf16_span;
-  const int64_t group = p.group(), dim = 32 * kChunks;
+  const int64_t dim = 32 * kChunks;
   span::prefetch<kChunks>(p.k_cache, p.v_cache, offsets, 0, n);
   for (int64_t t = 16; t < span::kAhead; t += 16)
     span::prefetch<kChunks>(p.k_cache, p.v_cache, offsets, t, n);
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     float* s = scratch.scores.data() + g * kSpan;
     span::score<kChunks>(q + g * dim, p.k_cache, p.v_cache, offsets, n, p.scale, s,
                          g == 0 ? span::kAhead : 0);
-    exponentiate(s, n, p.softcap, m + g);
+    exponentiate(s, n, scratch.seen[g], p.softcap, m + g);
     l[g] = span::to_pairs(s, n, scratch.pairs.data() + g * kSpan / 2);
   }
   float* sums = scratch.sums.data();
-  std::fill(sums, sums + group * dim, 0.0f);
+  std::fill(sums, sums + heads * dim, 0.0f);
   for (int64_t t = 0; t < n; t += kLanes) {  // 16 keys' rows interleaved once for every head
     const int64_t count = (std::min(kLanes, n - t) + 1) / 2;
     span::interleave<kChunks>(p.v_cache, offsets, t, n, count, scratch.interleaved.data());
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t g = 0; g < heads; ++g)
       span::weigh<kChunks>(sums + g * dim, scratch.pairs.data() + g * kSpan / 2 + t / 2,
-                     scratch.interleaved.data(), count);
+                           scratch.interleaved.data(), count);
   }
-  for (int64_t g = 0; g < group; ++g) span::deinterleave(sums + g * dim, acc + g * dim, dim);
+  for (int64_t g = 0; g < heads; ++g) span::deinterleave(sums + g * dim, acc + g * dim, dim);
 }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// pass(g, H) for the group's heads three at a time: g the first, H (a compile-time count) of them.
+// pass(g, H) for the heads three at a time: g the first, H (a compile-time count) of them.
 template <typename Pass>
-void by_threes(int64_t group, Pass&& pass) {
-  for (int64_t g = 0; g < group; g += 3) {
-    switch (std::min<int64_t>(3, group - g)) {
+void by_threes(int64_t heads, Pass&& pass) {
+  for (int64_t g = 0; g < heads; g += 3) {
+    switch (std::min<int64_t>(3, heads - g)) {
       case 3: pass(g, std::integral_constant<int, 3>{}); break;
       case 2: pass(g, std::integral_constant<int, 2>{}); break;
       default: pass(g, std::integral_constant<int, 1>{}); break;
@@ -281,15 +304,15 @@ void by_threes(int64_t group, Pass&& pass) {
 // attend_span's passes on 8-lane vectors (attention_avx2.h): the scores of up to three heads
 // per pass over the keys, then their values weighed the same way.
 template <typename T>
-void attend_span_avx2(const Problem<T>& p, const T* q, const int64_t* offsets, int64_t n,
-                      Scratch& scratch, float* acc, float* m, float* l) {
-  const int64_t group = p.group(), dim = p.dim;
+void attend_span_avx2(const Problem<T>& p, const T* q, int64_t heads, const int64_t* offsets,
+                      int64_t n, Scratch<T>& scratch, float* acc, float* m, float* l) {
+  const int64_t dim = p.dim;
   float* queries = scratch.queries.data();
   float* s = scratch.scores.data();
-  for (int64_t x = 0; x < group * dim; x += 8) _mm256_storeu_ps(queries + x, load8(q + x));
-  by_threes(group, [&](int64_t g, auto heads) {
+  for (int64_t x = 0; x < heads * dim; x += 8) _mm256_storeu_ps(queries + x, load8(q + x));
+  by_threes(heads, [&](int64_t g, auto three) {
     auto pass = [&](auto chunks) {
-      avx2_span::score<heads(), chunks()>(queries + g * dim, p.k_cache, p.v_cache, offsets, n,
+      avx2_span::score<three(), chunks()>(queries + g * dim, p.k_cache, p.v_cache, offsets, n,
                                           dim, p.scale, s + g * kSpan, kSpan, g == 0);
     };
     switch (dim) {
@@ -298,43 +321,42 @@ void attend_span_avx2(const Problem<T>& p, const T* q, const int64_t* offsets, i
       default: return pass(std::integral_constant<int, 0>{});
     }
   });
-  for (int64_t g = 0; g < group; ++g) l[g] = exponentiate(s + g * kSpan, n, p.softcap, m + g);
-  std::fill(acc, acc + group * dim, 0.0f);
-  by_threes(group, [&](int64_t g, auto heads) {
-    avx2_span::weigh<heads()>(s + g * kSpan, kSpan, p.v_cache, offsets, n, dim, acc + g * dim);
+  for (int64_t g = 0; g < heads; ++g)
+    l[g] = exponentiate(s + g * kSpan, n, scratch.seen[g], p.softcap, m + g);
+  std::fill(acc, acc + heads * dim, 0.0f);
+  by_threes(heads, [&](int64_t g, auto three) {
+    avx2_span::weigh<three()>(s + g * kSpan, kSpan, p.v_cache, offsets, n, dim, acc + g * dim);
   });
 }
 #endif
 
-// Unit (row i, head kh, keys [lo, hi)): acc[g] = sum of e^(s - m[g]) v, l[g] = sum of
-// e^(s - m[g]), m[g] = the largest score. Three passes: the scores of all the span's keys,
-// their exponentials (contiguous, 16 lanes), then the values weighted by them.
+// A unit's `heads` query heads (q: [heads, D], one after another) over the n keys at these
+// offsets, head x seeing the first scratch.seen[x] of them: acc [heads, D] = sum of e^(s - m) v,
+// m [heads] = the largest score, l [heads] = sum of e^(s - m). Three passes: the scores of all
+// the keys, their exponentials (contiguous, 16 lanes), then the values weighted by them.
 template <typename T>
-void attend_span(const Problem<T>& p, int64_t i, int64_t kh, int64_t lo, int64_t hi,
-                 Scratch& scratch, float* acc, float* m, float* l) {
-  const int64_t group = p.group(), dim = p.dim, n = hi - lo;
-  const T* q = p.q + (i * p.heads + kh * group) * dim;
-  int64_t* offsets = scratch.offsets.data();
-  p.row_offsets(i, kh, lo, n, offsets);
+void attend_span(const Problem<T>& p, const T* q, int64_t heads, const int64_t* offsets,
+                 int64_t n, Scratch<T>& scratch, float* acc, float* m, float* l) {
+  const int64_t dim = p.dim;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     switch (dim) {
-      case 64: return attend_span_bf16<2>(p, q, offsets, n, scratch, acc, m, l);
-      case 96: return attend_span_bf16<3>(p, q, offsets, n, scratch, acc, m, l);
-      case 128: return attend_span_bf16<4>(p, q, offsets, n, scratch, acc, m, l);
-      case 256: return attend_span_bf16<8>(p, q, offsets, n, scratch, acc, m, l);
+      case 64: return attend_span_bf16<2>(p, q, heads, offsets, n, scratch, acc, m, l);
+      case 96: return attend_span_bf16<3>(p, q, heads, offsets, n, scratch, acc, m, l);
+      case 128: return attend_span_bf16<4>(p, q, heads, offsets, n, scratch, acc, m, l);
+      case 256: return attend_span_bf16<8>(p, q, heads, offsets, n, scratch, acc, m, l);
       default: break;
     }
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>)
-    if (vectorized<T>(dim)) return attend_span_avx2(p, q, offsets, n, scratch, acc, m, l);
+    if (vectorized<T>(dim)) return attend_span_avx2(p, q, heads, offsets, n, scratch, acc, m, l);
 #endif
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     float* s = scratch.scores.data() + g * kSpan;
     score(q + g * dim, p.k_cache, offsets, n, dim, p.scale, s);
-    l[g] = exponentiate(s, n, p.softcap, m + g);
+    l[g] = exponentiate(s, n, scratch.seen[g], p.softcap, m + g);
     std::fill(acc + g * dim, acc + (g + 1) * dim, 0.0f);
   }
   // The values, a group of keys at a time: widened once, then weighed for every head.
@@ -342,59 +364,143 @@ void attend_span(const Problem<T>& p, int64_t i, int64_t kh, int64_t lo, int64_t
   for (int64_t t = 0; t < n; t += kLanes) {
     const int64_t keys = std::min(kLanes, n - t);
     for (int64_t j = 0; j < keys; ++j) widen(p.v_cache + offsets[t + j], rows + j * dim, dim);
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t g = 0; g < heads; ++g)
       weigh(acc + g * dim, scratch.scores.data() + g * kSpan + t, rows, keys, dim);
   }
 }
 
+// Query rows [r0, r1) over keys [lo, hi) of row r0's table, for each KV head: consecutive
+// tokens of one prefill chunk, decode rows over the keys they all share (cascade), or one row.
+struct Unit {
+  int64_t r0, r1, lo, hi;
+  int64_t slot;  // where row r0's partial sums go (row r's: slot + r - r0) if it has several
+};
+
+// The units of a call, and each row's slots in key order: row i's are slots[begin[i],
+// begin[i + 1]). A row with one slot writes its result directly.
+struct Plan {
+  std::vector<Unit> units;
+  std::vector<int64_t> order;  // the units by decreasing size: threads take the big ones first
+  std::vector<int64_t> begin, slots;
+  int64_t total = 0;  // slots of all units
+  int64_t tile = 1;   // the most rows of a unit
+};
+
 template <typename T>
-void attend(const Problem<T>& p, T* out, int64_t rows) {
+Plan plan_units(const Problem<T>& p, int64_t rows, int64_t shared_rows, int64_t shared_keys) {
+  Plan plan;
+  // Rows a unit takes: up to kTileHeads query heads (their scores stay in L2), but units enough
+  // to keep every thread busy (four each).
+  const int64_t busy = (rows * p.kv_heads + 4 * at::get_num_threads() - 1) /
+                       (4 * at::get_num_threads());
+  // A sliding window makes each row's first key its own: units of one row.
+  plan.tile = p.window > 0 ? 1 : std::clamp<int64_t>(busy, 1, std::max<int64_t>(1, kTileHeads / p.group()));
+  const int64_t shared = p.window > 0 ? 0 : shared_keys;
+  auto add = [&](int64_t r0, int64_t r1, int64_t from, int64_t to) {
+    for (int64_t lo = from, hi; lo < to; lo = hi) {
+      hi = std::min(to, (lo / kSpan + 1) * kSpan);  // spans at absolute positions
+      plan.units.push_back({r0, r1, lo, hi, plan.total});
+      plan.total += r1 - r0;
+    }
+  };
+  if (shared > 0)
+    for (int64_t r0 = 0; r0 < shared_rows; r0 += plan.tile)
+      add(r0, std::min(r0 + plan.tile, shared_rows), 0, shared);
+  for (int64_t i = 0, j; i < rows; i = j) {
+    const bool cascade = shared > 0 && i < shared_rows;
+    int64_t to = p.visible[i];
+    for (j = i + 1; j < rows && j - i < plan.tile && p.seq_of[j] == p.seq_of[i] &&
+                    (shared > 0 && j < shared_rows) == cascade;
+         ++j)
+      to = std::max(to, p.visible[j]);
+    add(i, j, cascade ? shared : p.first(i), to);
+  }
+  plan.begin.assign(rows + 1, 0);
+  for (const Unit& u : plan.units)
+    for (int64_t i = u.r0; i < u.r1; ++i) plan.begin[i + 1] += p.seen(i, u.lo, u.hi) > 0;
+  for (int64_t i = 0; i < rows; ++i) plan.begin[i + 1] += plan.begin[i];
+  plan.slots.resize(plan.begin[rows]);
+  std::vector<int64_t> next(plan.begin.begin(), plan.begin.end() - 1);
+  for (const Unit& u : plan.units)
+    for (int64_t i = u.r0; i < u.r1; ++i)
+      if (p.seen(i, u.lo, u.hi) > 0) plan.slots[next[i]++] = u.slot + i - u.r0;
+  plan.order.resize(plan.units.size());
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  auto size = [&](int64_t u) {
+    return (plan.units[u].r1 - plan.units[u].r0) * (plan.units[u].hi - plan.units[u].lo);
+  };
+  std::stable_sort(plan.order.begin(), plan.order.end(),
+                   [&](int64_t a, int64_t b) { return size(a) > size(b); });
+  return plan;
+}
+
+template <typename T>
+void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
+            int64_t shared_keys) {
   const int64_t group = p.group(), dim = p.dim, kv_heads = p.kv_heads;
-  // start[i]: row i's first unit, counted in (row, span) pairs; each has one unit per KV head.
-  std::vector<int64_t> start(rows + 1, 0);
-  for (int64_t i = 0; i < rows; ++i) start[i + 1] = start[i] + p.spans(i);
-  // Partial sums of rows with several spans: per unit, acc [G, D], then m [G] and l [G].
+  const Plan plan = plan_units(p, rows, shared_rows, shared_keys);
+  auto parts_of = [&](int64_t i) { return plan.begin[i + 1] - plan.begin[i]; };
+  // Partial sums of rows with several parts, per slot and KV head: acc [G, D], m [G], l [G].
   const int64_t part = group * (dim + 2);
-  std::vector<float> parts(start[rows] > rows ? start[rows] * kv_heads * part : 0);
-  at::parallel_for(0, start[rows] * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(group, dim);
-    std::vector<float> own(part);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t pair = unit / kv_heads, kh = unit % kv_heads;
-      const int64_t i = std::upper_bound(start.begin(), start.end(), pair) - start.begin() - 1;
-      const int64_t span = p.first(i) / kSpan + pair - start[i];
-      const int64_t lo = std::max(span * kSpan, p.first(i));
-      const int64_t hi = std::min((span + 1) * kSpan, p.visible[i]);
-      const bool alone = start[i + 1] - start[i] == 1;
-      float* acc = alone ? own.data() : parts.data() + unit * part;
-      float* m = acc + group * dim;
-      float* l = m + group;
-      attend_span(p, i, kh, lo, hi, scratch, acc, m, l);
-      if (!alone) continue;
-      T* o = out + (i * p.heads + kh * group) * dim;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = static_cast<T>(acc[g * dim + d] / l[g]);
+  const bool merge = static_cast<int64_t>(plan.slots.size()) > rows;
+  std::vector<float> parts(merge ? plan.total * kv_heads * part : 0);
+  const int64_t work = static_cast<int64_t>(plan.units.size()) * kv_heads;
+  std::atomic<int64_t> next{0};
+  // Units differ in size (a prefill tile, a short decode row): each thread takes the next one.
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch<T> scratch(plan.tile * group, dim);
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < work;) {
+      const Unit& u = plan.units[plan.order[w / kv_heads]];
+      const int64_t kh = w % kv_heads, n = u.hi - u.lo, heads = (u.r1 - u.r0) * group;
+      p.row_offsets(u.r0, kh, u.lo, n, scratch.offsets.data());
+      const T* q = p.q + (u.r0 * p.heads + kh * group) * dim;
+      if (u.r1 - u.r0 > 1) {  // the rows' heads of this KV head, one after another
+        for (int64_t r = 0; r < u.r1 - u.r0; ++r)
+          std::copy_n(q + r * p.heads * dim, group * dim, scratch.rows.data() + r * group * dim);
+        q = scratch.rows.data();
+      }
+      for (int64_t i = u.r0; i < u.r1; ++i)
+        std::fill_n(scratch.seen.data() + (i - u.r0) * group, group, p.seen(i, u.lo, u.hi));
+      float* acc = scratch.acc.data();
+      float* m = acc + heads * dim;
+      float* l = m + heads;
+      attend_span(p, q, heads, scratch.offsets.data(), n, scratch, acc, m, l);
+      for (int64_t i = u.r0; i < u.r1; ++i) {
+        const int64_t x = (i - u.r0) * group;
+        if (p.seen(i, u.lo, u.hi) == 0) continue;
+        if (parts_of(i) == 1) {
+          T* o = out + (i * p.heads + kh * group) * dim;
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t d = 0; d < dim; ++d)
+              o[g * dim + d] = static_cast<T>(acc[(x + g) * dim + d] / l[x + g]);
+          continue;
+        }
+        float* to = parts.data() + ((u.slot + i - u.r0) * kv_heads + kh) * part;
+        std::copy_n(acc + x * dim, group * dim, to);
+        std::copy_n(m + x, group, to + group * dim);
+        std::copy_n(l + x, group, to + group * dim + group);
+      }
     }
   });
-  if (parts.empty()) return;
-  // Rows of several spans: each head's spans rescaled to the largest maximum, in span order.
+  if (!merge) return;
+  // Rows of several parts: each head's parts rescaled to the largest maximum, in key order.
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(dim);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t i = work / kv_heads, kh = work % kv_heads;
-      if (start[i + 1] - start[i] == 1) continue;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / kv_heads, kh = job % kv_heads;
+      if (parts_of(i) == 1) continue;
+      const int64_t* slots = plan.slots.data() + plan.begin[i];
+      auto slot = [&](int64_t k) { return parts.data() + (slots[k] * kv_heads + kh) * part; };
       T* o = out + (i * p.heads + kh * group) * dim;
       for (int64_t g = 0; g < group; ++g) {
-        auto unit = [&](int64_t pair) { return parts.data() + (pair * kv_heads + kh) * part; };
         float top = -std::numeric_limits<float>::infinity(), total = 0.0f;
-        for (int64_t pair = start[i]; pair < start[i + 1]; ++pair)
-          top = std::max(top, unit(pair)[group * dim + g]);
+        for (int64_t k = 0; k < parts_of(i); ++k) top = std::max(top, slot(k)[group * dim + g]);
         std::fill(sum.begin(), sum.end(), 0.0f);
-        for (int64_t pair = start[i]; pair < start[i + 1]; ++pair) {
-          const float* u = unit(pair);
-          const float w = std::exp(u[group * dim + g] - top);
-          total += w * u[group * dim + group + g];
-          for (int64_t d = 0; d < dim; ++d) sum[d] += w * u[g * dim + d];
+        for (int64_t k = 0; k < parts_of(i); ++k) {
+          const float* u = slot(k);
+          const float weight = std::exp(u[group * dim + g] - top);
+          total += weight * u[group * dim + group + g];
+          for (int64_t d = 0; d < dim; ++d) sum[d] += weight * u[g * dim + d];
         }
         for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = static_cast<T>(sum[d] / total);
       }
@@ -406,13 +512,18 @@ void attend(const Problem<T>& p, T* out, int64_t rows) {
 
 // q [rows, H, D]; k_cache, v_cache [KVH, num_blocks, block_size, D]; block_tables [S, max_blocks]
 // (int64); seq_of [rows]: each row's table; visible [rows]: the keys it sees (>= 1); window: keys
-// it sees at most (0: all); softcap: scores soft-capped to (-softcap, softcap) (0: not).
+// it sees at most (0: all); softcap: scores soft-capped to (-softcap, softcap) (0: not);
+// shared_keys: keys at the head of rows [0, shared_rows)'s tables that are the same blocks in
+// each (a shared prompt), read once for all those rows (cascade; not with a window).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_of, const torch::Tensor& visible,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap, int64_t shared_rows,
+                              int64_t shared_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, H, D], caches [KVH, N, BS, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
+  TORCH_CHECK(shared_rows >= 0 && shared_rows <= q.size(0) && shared_keys >= 0,
+              "shared_rows must be within the rows, shared_keys not negative");
   auto qc = q.contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto seqs = seq_of.to(torch::kInt64).contiguous();
@@ -427,7 +538,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
         tables.data_ptr<int64_t>(), tables.size(1), seqs.data_ptr<int64_t>(),
         seen.data_ptr<int64_t>(), heads, kv_heads, qc.size(2), k_cache.size(1),
         k_cache.size(2), window, static_cast<float>(scale), static_cast<float>(softcap)};
-    attend<scalar_t>(problem, out.data_ptr<scalar_t>(), qc.size(0));
+    attend<scalar_t>(problem, out.data_ptr<scalar_t>(), qc.size(0), shared_rows, shared_keys);
   });
   return out;
 }

@@ -11,7 +11,8 @@
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_of, const torch::Tensor& visible,
-                              double scale, int64_t window, double softcap);
+                              double scale, int64_t window, double softcap, int64_t shared_rows,
+                              int64_t shared_keys);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                                         const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
@@ -44,5 +45,5 @@ std::vector<torch::Tensor> decoder_layer(
     const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
     const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
-    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t heads, double eps,
-    double scale, int64_t window, double softcap);
+    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t shared_rows,
+    int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap);

@@ -87,7 +87,8 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
 
 // x [T, hidden], residual (None before the first layer) -> (x, residual) for the next layer:
 // norm, qkv, rotary with the K/V store, paged attention over every row (rows: their tables
-// row seq_of and visible keys, decode and prefill alike), o, norm, gate_up, SiLU * up, down.
+// row seq_of and visible keys, decode and prefill alike; the first shared_rows begin with
+// shared_keys keys in common), o, norm, gate_up, SiLU * up, down.
 std::vector<torch::Tensor> decoder_layer(
     const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
     const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,
@@ -95,8 +96,8 @@ std::vector<torch::Tensor> decoder_layer(
     const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
     const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
-    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t heads, double eps,
-    double scale, int64_t window, double softcap) {
+    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t shared_rows,
+    int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap) {
   torch::Tensor h, res;
   if (residual) {
     auto normed = add_rms_norm(x, *residual, input_norm, eps);
@@ -112,7 +113,7 @@ std::vector<torch::Tensor> decoder_layer(
                    q_k_v.narrow(1, heads + kv_heads, kv_heads), cos, sin, k_cache, v_cache,
                    slots);
   auto attended = paged_attention(q_k_v.narrow(1, 0, heads), k_cache, v_cache, tables, seq_of,
-                                  visible, scale, window, softcap);
+                                  visible, scale, window, softcap, shared_rows, shared_keys);
   auto normed = add_rms_norm(project(attended.view({t, heads * dim}), o), res, mlp_norm, eps);
   return {project(silu_mul(project(normed[0], gate_up)), down), normed[1]};
 }
