@@ -146,20 +146,25 @@ def test_a_rows_attention_does_not_depend_on_the_batch(dtype):
         assert torch.equal(alone[0], prefill[j])
 
 
-@settings(max_examples=30, deadline=None)
-@given(shapes, extras, seeds, st.data())
-def test_prefill_attention_with_cached_context(shape, extra, seed, data):
+def _check_prefill(shape, extra, seed, data, longest: int, scale: float, num_blocks: int):
+    """Chunks of up to `longest` tokens ending each context, C++ against the reference."""
     torch.manual_seed(seed)
     block_size, (h, kvh), d, dtype, context = shape
-    query = [data.draw(st.integers(1, n)) for n in context]
-    k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=512)
+    query = [data.draw(st.integers(1, min(n, longest))) for n in context]
+    k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=num_blocks)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     q = torch.randn(sum(query), h, d).to(dtype)
     args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
-            torch.tensor(context), max(query), 0.25, *extra)
+            torch.tensor(context), max(query), scale, *extra)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(attention_cpu.prefill_attention(*args),
                                _oracle(attention.prefill_attention, *args), rtol=tol, atol=tol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes, extras, seeds, st.data())
+def test_prefill_attention_with_cached_context(shape, extra, seed, data):
+    _check_prefill(shape, extra, seed, data, longest=80, scale=0.25, num_blocks=512)
 
 
 # Rows that begin with the same blocks (a shared prompt, up to past two spans) and go on with
@@ -198,17 +203,7 @@ def test_decode_attention_reads_shared_blocks_once_for_all_rows(shape, extra, se
 def test_prefill_attention_over_several_spans(shape, extra, seed, data):
     """Long chunks: a tile of a chunk's tokens may straddle a span's end, its earlier rows
     seeing none of the next span's keys."""
-    torch.manual_seed(seed)
-    block_size, (h, kvh), d, dtype, context = shape
-    query = [data.draw(st.integers(1, min(n, 600))) for n in context]
-    k_cache, v_cache, tables, _, _ = _paged(context, block_size, kvh, d, num_blocks=320)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    q = torch.randn(sum(query), h, d).to(dtype)
-    args = (q, k_cache, v_cache, tables, torch.tensor([0, *query]).cumsum(0),
-            torch.tensor(context), max(query), 0.125, *extra)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(attention_cpu.prefill_attention(*args),
-                               _oracle(attention.prefill_attention, *args), rtol=tol, atol=tol)
+    _check_prefill(shape, extra, seed, data, longest=600, scale=0.125, num_blocks=320)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

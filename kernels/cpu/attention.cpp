@@ -393,9 +393,11 @@ Plan plan_units(const Problem<T>& p, int64_t rows, int64_t shared_rows, int64_t 
   // to keep every thread busy (four each).
   const int64_t busy = (rows * p.kv_heads + 4 * at::get_num_threads() - 1) /
                        (4 * at::get_num_threads());
-  // A sliding window makes each row's first key its own: units of one row.
-  plan.tile = p.window > 0 ? 1 : std::clamp<int64_t>(busy, 1, std::max<int64_t>(1, kTileHeads / p.group()));
+  // A sliding window makes each row's first key its own: units of one row, and no cascade.
+  const int64_t most = std::max<int64_t>(1, kTileHeads / p.group());
+  plan.tile = p.window > 0 ? 1 : std::clamp<int64_t>(busy, 1, most);
   const int64_t shared = p.window > 0 ? 0 : shared_keys;
+  auto cascade = [&](int64_t i) { return shared > 0 && i < shared_rows; };
   auto add = [&](int64_t r0, int64_t r1, int64_t from, int64_t to) {
     for (int64_t lo = from, hi; lo < to; lo = hi) {
       hi = std::min(to, (lo / kSpan + 1) * kSpan);  // spans at absolute positions
@@ -407,13 +409,12 @@ Plan plan_units(const Problem<T>& p, int64_t rows, int64_t shared_rows, int64_t 
     for (int64_t r0 = 0; r0 < shared_rows; r0 += plan.tile)
       add(r0, std::min(r0 + plan.tile, shared_rows), 0, shared);
   for (int64_t i = 0, j; i < rows; i = j) {
-    const bool cascade = shared > 0 && i < shared_rows;
     int64_t to = p.visible[i];
     for (j = i + 1; j < rows && j - i < plan.tile && p.seq_of[j] == p.seq_of[i] &&
-                    (shared > 0 && j < shared_rows) == cascade;
+                    cascade(j) == cascade(i);
          ++j)
       to = std::max(to, p.visible[j]);
-    add(i, j, cascade ? shared : p.first(i), to);
+    add(i, j, cascade(i) ? shared : p.first(i), to);
   }
   plan.begin.assign(rows + 1, 0);
   for (const Unit& u : plan.units)
@@ -467,7 +468,7 @@ void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
       attend_span(p, q, heads, scratch.offsets.data(), n, scratch, acc, m, l);
       for (int64_t i = u.r0; i < u.r1; ++i) {
         const int64_t x = (i - u.r0) * group;
-        if (p.seen(i, u.lo, u.hi) == 0) continue;
+        if (scratch.seen[x] == 0) continue;
         if (parts_of(i) == 1) {
           T* o = out + (i * p.heads + kh * group) * dim;
           for (int64_t g = 0; g < group; ++g)

@@ -1,7 +1,8 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention, one row per query, shared blocks read once");
+  m.def("paged_attention", &paged_attention,
+        "paged attention, one row per query, shared leading blocks read once");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("small_m_linear", &small_m_linear, "x W^T for a few rows of x, bf16, fp32 sums");
