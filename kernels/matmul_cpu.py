@@ -26,6 +26,12 @@ def max_rows() -> int | None:
     return None if rows < 0 else rows
 
 
+def widen_rows() -> int:
+    """The most rows of x the bf16, int4 and int8 tiles take: past them (prefill chunks) W is
+    dequantized whole for MKL's fp32 product, and a row's bits depend on its call's rows."""
+    return extension().widen_rows()
+
+
 def describe_rows() -> str:
     """The products' share, for the worker's start-up line."""
     rows = max_rows()

@@ -5,6 +5,7 @@ extra blocks hold other sequences' keys, float32 and bfloat16."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -347,19 +348,20 @@ def test_amx_is_found_where_the_cpu_has_it():
 
 def test_linear_takes_the_cpp_products_up_to_their_row_counts():
     """AMX tiles (2 to 128 rows) where the CPU has them, else the vector product up to 4 rows;
-    past them oneDNN, or where oneDNN has no bf16 path (AVX2-only CPUs) bf16_linear up to 192
-    rows and the fp32 product past them."""
+    past them oneDNN, or where oneDNN has no bf16 path (AVX2-only CPUs) bf16_linear (its tiles
+    up to widen_rows, the fp32 product on W widened past them)."""
     weight = torch.randn(40, 64).bfloat16()
     cpp_rows = matmul_cpu.max_rows()
     onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert (cpp_rows is None) == (not onednn and not matmul_cpu.has_amx())
-    for rows in (1, 4, 5, 128, 129, 192, 193):
+    widen = matmul_cpu.widen_rows()
+    for rows in (1, 4, 5, 128, 129, widen, widen + 1):
         x = torch.randn(rows, 64).bfloat16()
         if matmul_cpu.has_amx() and 1 < rows <= cpp_rows:
             want = extension().amx_linear(x, weight)
         elif rows <= 4:
             want = extension().small_m_linear(x, weight)
-        elif not onednn and rows <= 192:
+        elif not onednn and rows <= widen:
             want = extension().bf16_linear(x, weight)
         elif not onednn:  # a prefill chunk: W widened, MKL's fp32 product
             want = (x.float() @ weight.float().T).bfloat16()
@@ -573,27 +575,47 @@ def test_int8_linear_is_the_dequantized_product(m, blocks, n, dtype, seed):
                                atol=1e-4)
 
 
+def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.Tensor]:
+    """(weights, their C++ product, W dequantized in float64) for int4 or int8."""
+    from gpu_workers.quant import quantize_int8
+
+    if quantization == "int8":
+        q, scales = quantize_int8(torch.randn(n, k))
+        return (q, scales), matmul_cpu.int8_linear, q.double() * scales.double()[:, None]
+    q = torch.randint(0, 16, (n, k))
+    scales, mins = torch.rand(n, k // 32) * 0.1, -torch.rand(n, k // 32)
+    weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),)
+    w = (q.double() * scales.double().repeat_interleave(32, 1)
+         + mins.double().repeat_interleave(32, 1))
+    return weights, matmul_cpu.int4_linear, w
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
     """Up to 4 rows dequantize W into registers, more through a buffer: both give each row
     the same fp32 weights summed in the same order (a decode row's bits do not depend on
-    whether a prefill shares its step)."""
-    from gpu_workers.quant import quantize_int8
-
+    whether a prefill shares its step), up to widen_rows rows."""
     torch.manual_seed(0)
-    n, k = 37, 3 * 64
-    w = torch.randn(n, k)
-    if quantization == "int4":
-        q = torch.randint(0, 16, (n, k))
-        weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), torch.rand(n, k // 32) * 0.1,
-                                        -torch.rand(n, k // 32)),)
-        product = matmul_cpu.int4_linear
-    else:
-        weights, product = quantize_int8(w), matmul_cpu.int8_linear
-    x = torch.randn(11, k).bfloat16()
+    weights, product, _ = _low_bit(quantization, 37, 3 * 64)
+    x = torch.randn(11, 3 * 64).bfloat16()
     batch = product(x, *weights)
     for rows in (slice(0, 1), slice(3, 5), slice(7, 10), slice(7, 11)):
         assert torch.equal(product(x[rows], *weights), batch[rows])
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
+    """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole:
+    still the fp32 dequantized weights, within bf16 rounding of the exact product."""
+    torch.manual_seed(1)
+    n, k = 37, 96
+    weights, product, w = _low_bit(quantization, n, k)
+    for m in (matmul_cpu.widen_rows(), matmul_cpu.widen_rows() + 1):
+        x = torch.randn(m, k).bfloat16()
+        got = product(x, *weights)
+        exact = x.double() @ w.T
+        bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+        assert got.shape == (m, n) and ((got.double() - exact).abs() <= bound).all(), m
 
 
 def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():

@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("random_pick", &random_pick, "each row's seeded random pick, -1 where it has none");
   m.def("linear", &linear, "x W^T on the fastest product for its rows (C++ or oneDNN)",
         py::arg("x"), py::arg("weight"), py::arg("packed") = py::none());
+  m.def("widen_rows", &widen_rows,
+        "the most rows the bf16, int4 and int8 tiles take; past them W widened for MKL");
   m.def("cpp_rows", &cpp_rows, "the most rows of x that linear gives to the C++ products");
   m.def("decoder_layer", &decoder_layer, "a Llama-shaped decoder layer in one call");
   m.def("gemv_isa", &gemv_isa, "the instruction set small_m_linear was built for");

@@ -173,20 +173,18 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   return out;
 }
 
-// x W^T for bf16 x and W of any rows, each task's W rows widened to fp32 once (dequant::product)
-// and the sums fp32, each rounded to bf16 once: where oneDNN has no bf16 path (AVX2-only CPUs)
-// PyTorch's own bf16 GEMM is 4-10x slower than this past a few rows.
+// x W^T for bf16 x and W of any rows, each task's W rows widened to fp32 once (dequant::product;
+// past dequant::kWidenRows rows, all of W for MKL) and the sums fp32, each rounded to bf16 once:
+// where oneDNN has no bf16 path (AVX2-only CPUs) PyTorch's own bf16 GEMM is 4-10x slower than
+// this past a few rows.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16_linear takes bfloat16 x and weight");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) &&
                   x.size(1) % 32 == 0,
               "bf16_linear: x [M, K] and weight [N, K], K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto xf = x.to(at::kFloat).contiguous();
   auto wc = weight.contiguous();
-  auto out = torch::empty({M, N}, x.options());
-  dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<at::BFloat16>(),
-                   BF16W{wc.data_ptr<at::BFloat16>(), K});
-  return out;
+  return dequant::linear(x, BF16W{wc.data_ptr<at::BFloat16>(), x.size(1)}, weight.size(0));
 }
+
+int64_t widen_rows() { return dequant::kWidenRows; }

@@ -120,16 +120,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
                   blob.scalar_type() == at::kByte && blob.is_contiguous(),
               "int4_linear: x [M, K] and int4_pack's weights, on the CPU");
-  const int64_t M = x.size(0), K = x.size(1), N = blob.size(0);
+  const int64_t K = x.size(1), N = blob.size(0);
   TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * kRecordBytes,
               "int4_linear: the weights were packed for ", blob.size(1) / kRecordBytes * kBlock,
               " columns, x has ", K);
-  auto xf = x.to(at::kFloat).contiguous();  // M x K: a few rows, converted once
-  auto out = torch::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear",
-                                  [&] {
-    dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(),
-                     Int4W{blob.data_ptr<uint8_t>(), N, K});
-  });
-  return out;
+  return dequant::linear(x, Int4W{blob.data_ptr<uint8_t>(), N, K}, N);
 }

@@ -59,17 +59,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.dim() == 1 &&
                   scales.size(0) == q.size(0),
               "int8_linear: CPU tensors, scales [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t K = x.size(1), N = q.size(0);
   TORCH_CHECK(K % 32 == 0, "int8_linear: K a multiple of 32");
-  auto xf = x.to(at::kFloat).contiguous();
   auto qc = q.contiguous();
   auto sc = scales.to(at::kFloat).contiguous();
-  auto out = torch::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear",
-                                  [&] {
-    const int8_t* qp = qc.data_ptr<int8_t>();
-    const float* sp = sc.data_ptr<float>();
-    dequant::product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), Int8W{qp, sp, K});
-  });
-  return out;
+  return dequant::linear(x, Int8W{qc.data_ptr<int8_t>(), sc.data_ptr<float>(), K}, N);
 }

@@ -38,6 +38,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const std::optional<torch::Tensor>& packed);
 int64_t cpp_rows();
+int64_t widen_rows();
 std::vector<torch::Tensor> decoder_layer(
     const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
     const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,

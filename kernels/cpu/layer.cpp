@@ -14,10 +14,6 @@ constexpr int64_t kSmallRows = 4;
 // passes over more of x than the cache holds, and oneDNN's blocking wins (prefill chunks). For
 // one row the vector product is faster: a tile pass computes 16 rows, 15 of them zeros.
 constexpr int64_t kAmxRows = 128;
-// Where oneDNN has no bf16 path: up to this many rows bf16_linear, past it (prefill chunks) W
-// widened to fp32 once a call and MKL's fp32 GEMM, 1.0-1.5x faster there (AMD Zen 2: 256 and
-// 1024 rows of 960 x 576 in 3.2 and 8.9 ms against 4.5 and 13.5; parity at 96-192 rows).
-constexpr int64_t kWidenRows = 192;
 
 namespace {
 
@@ -51,7 +47,7 @@ bool onednn_bf16() {
 // tiles from 2 to kAmxRows rows where the CPU has them, the vector product up to kSmallRows
 // rows, oneDNN otherwise (and for other dtypes): on `packed`, W's oneDNN-blocked copy, where
 // the model keeps one (1.2-1.3x the plain weight's product at 64-128 rows on AVX-512 BF16).
-// Where oneDNN has no bf16 path, the rows past kSmallRows take bf16_linear or fp32.
+// Where oneDNN has no bf16 path, the rows past kSmallRows take bf16_linear.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const std::optional<torch::Tensor>& packed) {
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
@@ -60,10 +56,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
     if (amx && rows > 1 && rows <= kAmxRows && x.size(1) % 32 == 0) return amx_linear(x, weight);
     if (rows <= kSmallRows) return small_m_linear(x, weight);
     if (packed) return onednn_linear(x, *packed);
-    if (!onednn_bf16() && x.size(1) % 32 == 0)
-      return rows <= kWidenRows ? bf16_linear(x, weight)
-                                : at::linear(x.to(at::kFloat), weight.to(at::kFloat))
-                                      .to(at::kBFloat16);
+    if (!onednn_bf16() && x.size(1) % 32 == 0) return bf16_linear(x, weight);
   }
   return at::linear(x, weight);
 }
