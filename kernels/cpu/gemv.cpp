@@ -68,6 +68,13 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
   for (int64_t m = 0; m < tile; ++m)
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    // Once a cache line, the rows dequant::kAheadRows ahead (past W's end a hint never
+    // faults): on AMD Zen 2, 1.2-1.35x over none for 960-49152 x 576 from memory, where
+    // kAhead's bytes ahead gained at K = 576 but lost at K = 1536 (inside the task's rows).
+    if (k % 32 == 0)
+      for (int64_t r = 0; r < kRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + dequant::kAheadRows) * ldw + k),
+                     _MM_HINT_T0);
     __m256 wv[kRows];
     for (int64_t r = 0; r < kRows; ++r)
       wv[r] = r < rows ? load8(w + r * ldw, k, K) : _mm256_setzero_ps();
@@ -111,17 +118,12 @@ struct BF16W {
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < 32; i += 8)
-        _mm256_storeu_ps(out + r * ld + i, ::load8(w + (n + r) * K + k + i));
+  void load(int64_t n, int64_t, int64_t r, int64_t k, __m256 (&v)[4]) const {
+    for (int64_t e = 0; e < 4; ++e) v[e] = ::load8(w + (n + r) * K + k + 8 * e);
   }
 #else
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < 32; ++i) out[r * ld + i] = static_cast<float>(w[(n + r) * K + k + i]);
+  void load(int64_t n, int64_t, int64_t r, int64_t k, float* out) const {
+    for (int64_t i = 0; i < 32; ++i) out[i] = static_cast<float>(w[(n + r) * K + k + i]);
   }
 #endif
 };

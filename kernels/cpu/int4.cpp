@@ -51,37 +51,27 @@ struct Int4W {
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
+  void load(int64_t n, int64_t rows, int64_t r, int64_t k, __m256 (&v)[4]) const {
     const uint8_t* rec = record(n, rows, k);
     const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
-    const __m128i low4 = _mm_set1_epi8(15);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + r * kBlock / 2));
-      const __m256 scale = _mm256_set1_ps(scales[r]), min = _mm256_set1_ps(scales[rows + r]);
-      // Columns 0-15 are the low nibbles, 16-31 the high ones; q * scale + min in one rounding.
-      const __m128i halves[2] = {_mm_and_si128(bytes, low4),
-                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
-      for (int h = 0; h < 2; ++h)
-        for (int e = 0; e < 2; ++e) {
-          const __m128i q = e ? _mm_srli_si128(halves[h], 8) : halves[h];
-          _mm256_storeu_ps(out + r * ld + 16 * h + 8 * e,
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), scale, min));
-        }
+    const __m256 scale = _mm256_set1_ps(scales[r]), min = _mm256_set1_ps(scales[rows + r]);
+    // Byte i holds columns i (low nibble) and i + 16 (high); q * scale + min in one rounding.
+    for (int64_t e = 0; e < 2; ++e) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + r * kBlock / 2 + 8 * e)));
+      v[e] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), scale, min);
+      v[e + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale, min);
     }
   }
 #else
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
+  void load(int64_t n, int64_t rows, int64_t r, int64_t k, float* out) const {
     const uint8_t* rec = record(n, rows, k);
     const float* scales = reinterpret_cast<const float*>(rec + rows * kBlock / 2);
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* bytes = rec + r * kBlock / 2;
-      for (int64_t i = 0; i < kBlock / 2; ++i) {
-        out[r * ld + i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r], scales[rows + r]);
-        out[r * ld + i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r],
-                                        scales[rows + r]);
-      }
+    const uint8_t* bytes = rec + r * kBlock / 2;
+    for (int64_t i = 0; i < kBlock / 2; ++i) {
+      out[i] = std::fma(static_cast<float>(bytes[i] & 15), scales[r], scales[rows + r]);
+      out[i + 16] = std::fma(static_cast<float>(bytes[i] >> 4), scales[r], scales[rows + r]);
     }
   }
 #endif

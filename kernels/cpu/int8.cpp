@@ -29,22 +29,17 @@ struct Int8W {
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int8_t* p = q + (n + r) * K + k;
-      const __m256 s = _mm256_set1_ps(scales[n + r]);
-      for (int64_t i = 0; i < 32; i += 8)
-        _mm256_storeu_ps(out + r * ld + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)))), s));
-    }
+  void load(int64_t n, int64_t, int64_t r, int64_t k, __m256 (&v)[4]) const {
+    const int8_t* p = q + (n + r) * K + k;
+    const __m256 s = _mm256_set1_ps(scales[n + r]);
+    for (int64_t e = 0; e < 4; ++e)
+      v[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * e)))), s);
   }
 #else
-  template <int64_t rows>
-  void load(int64_t n, int64_t k, float* out, int64_t ld) const {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < 32; ++i)
-        out[r * ld + i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
+  void load(int64_t n, int64_t, int64_t r, int64_t k, float* out) const {
+    for (int64_t i = 0; i < 32; ++i)
+      out[i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
   }
 #endif
 };
