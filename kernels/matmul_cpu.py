@@ -20,8 +20,8 @@ def has_amx() -> bool:
 
 
 def max_rows() -> int | None:
-    """The most rows of x the C++ bf16 products take; None where they take every row count
-    (no oneDNN bf16 path on this CPU)."""
+    """The most rows of x the C++ bf16 products take before oneDNN's; None where this CPU has
+    no oneDNN bf16 path (they take every row count, as MKL's past widen_rows)."""
     rows = extension().cpp_rows()
     return None if rows < 0 else rows
 
@@ -35,7 +35,9 @@ def widen_rows() -> int:
 def describe_rows() -> str:
     """The products' share, for the worker's start-up line."""
     rows = max_rows()
-    return "C++ products at every row count" if rows is None else f"C++ products up to {rows} rows"
+    if rows is None:  # no oneDNN bf16 path: the tiles, then MKL on W widened
+        return f"C++ products up to {widen_rows()} rows, MKL's on W widened past them"
+    return f"C++ products up to {rows} rows"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
