@@ -110,6 +110,20 @@ void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
   }
 }
 #else
+// W rows [n, n + rows) at columns [k, k + 32) into out[r * ld, r * ld + 32).
+template <typename W>
+inline void load_rows(const W& w, int64_t n, int64_t rows, int64_t k, float* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4];
+    w.load(n, rows, r, k, v);
+    for (int64_t e = 0; e < 4; ++e) _mm256_storeu_ps(out + r * ld + 8 * e, v[e]);
+#else
+    w.load(n, rows, r, k, out + r * ld);
+#endif
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // acc[m][r] += x[m, 0:count] . w[r, 0:count] for m < tile, r < rows (x rows ldx apart, w rows
 // ldw apart), 8 lanes at a time, k ascending.
@@ -149,11 +163,7 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
       // and only accumulate's order (the rows' chains interleaved) keeps the FMA pipes busy
       // (int4, 3072 x 576, one thread, cached: 206 us this way, 388 us from registers).
       alignas(32) float block[kRows * 32];
-      for (int64_t r = 0; r < rows; ++r) {
-        __m256 v[4];
-        w.load(n, rows, r, k, v);
-        for (int64_t e = 0; e < 4; ++e) _mm256_store_ps(block + r * 32 + 8 * e, v[e]);
-      }
+      load_rows(w, n, rows, k, block, 32);
       accumulate(acc, x + k, K, block, 32, rows, 32);
     } else {
       // From registers, each row r a constant so that acc stays in registers (GCC did not
@@ -199,16 +209,7 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
 
 template <typename W>
 void dequantize(const W& w, int64_t n, int64_t rows, int64_t K, float* buf) {
-  for (int64_t k = 0; k < K; k += 32)
-    for (int64_t r = 0; r < rows; ++r) {
-#if defined(__AVX2__) && defined(__FMA__)
-      __m256 v[4];
-      w.load(n, rows, r, k, v);
-      for (int64_t e = 0; e < 4; ++e) _mm256_storeu_ps(buf + r * K + k + 8 * e, v[e]);
-#else
-      w.load(n, rows, r, k, buf + r * K + k);
-#endif
-    }
+  for (int64_t k = 0; k < K; k += 32) load_rows(w, n, rows, k, buf + k, K);
 }
 #endif
 
