@@ -3,7 +3,7 @@ repo (bench/data/apache-2.0.txt) and the share of greedy tokens that agree with 
 unquantized model on the reference prompts, for none / int8 / int4 / fp8.
 
 Usage: .venv/bin/python -m bench.quant_accuracy [--modes none,int8,int4,fp8] [--dtype float32]
-       [--tokens 2048] [--new-tokens 32] [--group-size 32]
+       [--tokens 2048] [--new-tokens 32] [--group-size 32] [--kernel-backend cpu] [--alone]
 """
 
 from __future__ import annotations
@@ -54,8 +54,12 @@ def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
     return math.exp(nll / (n - 1))
 
 
-def greedy(model: LlamaModel, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
-    engine = InProcessEngine(model, max_num_batched_tokens=4096)
+def greedy(model: LlamaModel, prompts: dict[str, list[int]], n: int, alone: bool = False
+           ) -> dict[str, list[int]]:
+    """Each prompt's n greedy tokens, all prompts in one batch, or each alone (every decode
+    step's products then have one row)."""
+    engine = InProcessEngine(model, max_num_batched_tokens=4096,
+                             **({"max_num_seqs": 1} if alone else {}))
     for name, ids in prompts.items():
         engine.add(name, ids, n)
     return engine.run()
@@ -90,6 +94,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
     parser.add_argument("--kernel-backend", default="reference", choices=["reference", "cpu"],
                         help="the quantized modes' kernels (cpu: the C++ int4 product)")
+    parser.add_argument("--alone", action="store_true",
+                        help="decode each prompt alone (one-row products, as at concurrency 1)")
     opts = parser.parse_args()
     from server.tokenizer import Tokenizer
     from tests.prompts import reference_prompts
@@ -110,7 +116,7 @@ def main() -> int:
         model = load(mode, dtype, opts.group_size,
                      "reference" if mode == "none" else opts.kernel_backend)
         ppl = perplexity(model, text_ids)
-        out = greedy(model, prompts, opts.new_tokens)
+        out = greedy(model, prompts, opts.new_tokens, opts.alone)
         if base_out is None:
             base_ppl, base_out = ppl, out
         same = [agreement(base_out[k], out[k]) for k in prompts]

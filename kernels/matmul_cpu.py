@@ -57,5 +57,11 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return extension().int4_linear(x, weights)
 
 
+def rounds_activations() -> bool:
+    """Whether int4_linear and int8_linear sum in integers, x rounded to 16 bits a block of 32
+    columns (AVX2 builds without AVX-512: kernels/cpu/integer_product.h says why)."""
+    return extension().rounds_activations()
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return extension().int8_linear(x, q, scales)

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -294,14 +295,16 @@ at::Tensor widen(const W& w, int64_t N, int64_t K) {
   return out;
 }
 
-// y = x W^T, rows past kWidenRows by MKL on W widened (see above).
+// y = x W^T in `dtype` (x's by default), rows past kWidenRows by MKL on W widened (see above).
 template <typename W>
-at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const W& w, int64_t N,
+                  std::optional<at::ScalarType> dtype = std::nullopt) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (M > kWidenRows) return at::linear(x.to(at::kFloat), widen(w, N, K)).to(x.scalar_type());
+  const at::ScalarType type = dtype.value_or(x.scalar_type());
+  if (M > kWidenRows) return at::linear(x.to(at::kFloat), widen(w, N, K)).to(type);
   auto xf = x.to(at::kFloat).contiguous();  // M x K: a few rows, converted once
-  auto out = at::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dequant::linear",
+  auto out = at::empty({M, N}, x.options().dtype(type));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "dequant::linear",
                                   [&] {
     product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
   });

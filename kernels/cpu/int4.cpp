@@ -1,6 +1,7 @@
 // int4 weight products y = x W^T with W = q * scale + min per group of columns (GGUF Q4_1's
 // grid), everything after the nibbles in fp32: the file's scales and minimums are fp16, which
-// fp32 holds exactly, and the sums are fp32, so nothing is rounded between the file and y.
+// fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
+// (x is, to 16 bits a block, on AVX2-only CPUs: integer_product.h).
 //
 // The weights are repacked once (int4_pack) so that a product reads them in one stream: for
 // each dequant::kRows W rows ("a row block") and each block of 32 columns, a record of those
@@ -13,7 +14,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "dequant_product.h"
+#include "integer_product.h"
 
 namespace {
 
@@ -64,6 +65,20 @@ struct Int4W {
       v[e + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale, min);
     }
   }
+
+  // integer_product.h's interface: the nibbles as they are, the steps and minimums beside.
+  static constexpr bool kMins = true;
+  void widen16(int64_t n, int64_t rows, int64_t r, int64_t k, __m256i (&w)[2]) const {
+    // Widened to 16 bits first: the high nibble is then a shift, the low one a mask.
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(record(n, rows, k) + r * kBlock / 2)));
+    w[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+    w[1] = _mm256_srli_epi16(bytes, 4);
+  }
+  const float* steps(int64_t n, int64_t rows, int64_t k) const {
+    return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock / 2);
+  }
+  const float* mins(int64_t n, int64_t rows, int64_t k) const { return steps(n, rows, k) + rows; }
 #else
   void load(int64_t n, int64_t rows, int64_t r, int64_t k, float* out) const {
     const uint8_t* rec = record(n, rows, k);
@@ -114,5 +129,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
   TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * kRecordBytes,
               "int4_linear: the weights were packed for ", blob.size(1) / kRecordBytes * kBlock,
               " columns, x has ", K);
-  return dequant::linear(x, Int4W{blob.data_ptr<uint8_t>(), N, K}, N);
+  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), N, K}, N);
 }
+
+bool rounds_activations() { return integer::kRoundsX; }

@@ -2,7 +2,7 @@
 // scales kept in fp32 and the sums fp32: the activations' bf16 rounds neither.
 #include <torch/extension.h>
 
-#include "dequant_product.h"
+#include "integer_product.h"
 
 namespace {
 
@@ -36,6 +36,15 @@ struct Int8W {
       v[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * e)))), s);
   }
+
+  // integer_product.h's interface: a row's scale serves each of its blocks.
+  static constexpr bool kMins = false;
+  void widen16(int64_t n, int64_t, int64_t r, int64_t k, __m256i (&w)[2]) const {
+    const int8_t* p = q + (n + r) * K + k;
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  const float* steps(int64_t n, int64_t, int64_t) const { return scales + n; }
 #else
   void load(int64_t n, int64_t, int64_t r, int64_t k, float* out) const {
     for (int64_t i = 0; i < 32; ++i)
@@ -58,5 +67,5 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
   TORCH_CHECK(K % 32 == 0, "int8_linear: K a multiple of 32");
   auto qc = q.contiguous();
   auto sc = scales.to(at::kFloat).contiguous();
-  return dequant::linear(x, Int8W{qc.data_ptr<int8_t>(), sc.data_ptr<float>(), K}, N);
+  return integer::linear(x, Int8W{qc.data_ptr<int8_t>(), sc.data_ptr<float>(), K}, N);
 }

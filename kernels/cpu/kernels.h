@@ -33,6 +33,7 @@ void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Ten
 torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
                         const torch::Tensor& mins);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob);
+bool rounds_activations();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scales);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
