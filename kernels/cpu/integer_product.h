@@ -45,9 +45,13 @@ inline float block_step(const __m256 (&v)[4]) {
   return std::ldexp(1.0f, std::max(std::ilogb(largest) - 14, -126));
 }
 
-// v / step rounded to the nearest integer (even on ties), in int16's range: the one value that
-// can reach 2^15 saturates. A block of zeros (or non-finite values) gives zeros.
-inline void block_round(const __m256 (&v)[4], float step, __m256 (&q)[4]) {
+// The block of 32 x values at p as integers q (in fp32) and its step, x ~ q * step: x / step
+// rounded to the nearest integer (even on ties), in int16's range (the one value that can
+// reach 2^15 saturates). A block of zeros (or non-finite values) gives zeros.
+inline float round_block(const float* p, __m256 (&q)[4]) {
+  __m256 v[4];
+  for (int e = 0; e < 4; ++e) v[e] = _mm256_loadu_ps(p + 8 * e);
+  const float step = block_step(v);
   const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);  // exact
   for (int e = 0; e < 4; ++e)
     q[e] = _mm256_min_ps(
@@ -55,9 +59,10 @@ inline void block_round(const __m256 (&v)[4], float step, __m256 (&q)[4]) {
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                       _mm256_set1_ps(-32768.0f)),
         _mm256_set1_ps(32767.0f));
+  return step;
 }
 
-// x [M, K] per block of 32 columns as q * step (block_step, block_round), and the block's sum
+// x [M, K] per block of 32 columns as q * step (round_block), and the block's sum
 // of those values (exact in fp32: step times a sum of q under 2^20) for the minimums' term.
 struct RoundedX {
   std::vector<int16_t> q;
@@ -67,10 +72,8 @@ struct RoundedX {
   RoundedX(const float* x, int64_t M, int64_t K)
       : q(M * K), step(M * K / kBlock), sum(M * K / kBlock), K(K), blocks(K / kBlock) {
     for (int64_t i = 0; i < M * blocks; ++i) {
-      __m256 v[4], rounded[4];
-      for (int e = 0; e < 4; ++e) v[e] = _mm256_loadu_ps(x + i * kBlock + 8 * e);
-      step[i] = block_step(v);
-      block_round(v, step[i], rounded);
+      __m256 rounded[4];
+      step[i] = round_block(x + i * kBlock, rounded);
       __m256i total = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i packed = _mm256_permute4x64_epi64(
@@ -90,10 +93,8 @@ inline at::Tensor rounded(const float* x, int64_t M, int64_t K) {
   float* p = out.data_ptr<float>();
   at::parallel_for(0, M * K / kBlock, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      __m256 v[4], q[4];
-      for (int e = 0; e < 4; ++e) v[e] = _mm256_loadu_ps(x + i * kBlock + 8 * e);
-      const float step = block_step(v);
-      block_round(v, step, q);
+      __m256 q[4];
+      const float step = round_block(x + i * kBlock, q);
       for (int e = 0; e < 4; ++e)
         _mm256_storeu_ps(p + i * kBlock + 8 * e, _mm256_mul_ps(q[e], _mm256_set1_ps(step)));
     }
@@ -137,6 +138,8 @@ void dot(const RoundedX& x, const W& w, int64_t n, int64_t rows, T* out, int64_t
     row(std::integral_constant<int64_t, 2>{});
     row(std::integral_constant<int64_t, 3>{});
     const __m128 scales = _mm_maskload_ps(w.steps(n, rows, k), valid);
+    __m128 mins = _mm_setzero_ps();
+    if constexpr (W::kMins) mins = _mm_maskload_ps(w.mins(n, rows, k), valid);
 #pragma GCC unroll 4
     for (int64_t m = 0; m < tile; ++m) {
       const int16_t* xq = x.q.data() + m * K + k;
@@ -150,9 +153,7 @@ void dot(const RoundedX& x, const W& w, int64_t n, int64_t rows, T* out, int64_t
       const int64_t i = m * x.blocks + b;
       acc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4(dots)),
                             _mm_mul_ps(scales, _mm_set1_ps(x.step[i])), acc[m]);
-      if constexpr (W::kMins)
-        acc[m] = _mm_fmadd_ps(_mm_maskload_ps(w.mins(n, rows, k), valid),
-                              _mm_set1_ps(x.sum[i]), acc[m]);
+      if constexpr (W::kMins) acc[m] = _mm_fmadd_ps(mins, _mm_set1_ps(x.sum[i]), acc[m]);
     }
   }
   for (int64_t m = 0; m < tile; ++m) {
@@ -199,7 +200,6 @@ constexpr bool kRoundsX =
 // FMAs two) and 1.1x faster at 64 rows than this product's per-block scaling.
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
-  if (!kRoundsX) return dequant::linear(x, w, N);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t M = x.size(0), K = x.size(1);
   auto xf = x.to(at::kFloat).contiguous();
