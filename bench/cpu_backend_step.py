@@ -35,7 +35,7 @@ def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
     """The bundled model as the worker prepares it for this mode and kernel backend (fused:
     one decoder_layer call a layer where the backend has it)."""
     cpu, dtype = torch.device("cpu"), torch.float32 if mode == "fp32" else torch.bfloat16
-    model = load_model(resolve_model("default"), cpu, dtype, keep_q4_1=mode == "int4")
+    model = load_model(resolve_model("default"), cpu, dtype, keep_blocks=mode == "int4")
     model.ops = kernels.for_device(cpu, backend)
     if mode in ("int4", "int8"):
         quantize_model(model, mode, 32, ops=model.ops)

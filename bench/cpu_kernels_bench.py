@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_workers.packed import PackedLinear, can_pack
-from gpu_workers.quant import quantize_int4
+from gpu_workers.quant import quantize_int4, quantize_int8
 from kernels import attention, attention_cpu
 from kernels.cpu import extension
 from kernels.matmul import pack_q4
@@ -191,7 +191,8 @@ def main() -> None:
           f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
-          f"{'plain us':>9} {'int4 us':>9} {'c++ GB/s':>8} {'amx':>7} {'onednn':>7}")
+          f"{'plain us':>9} {'int4 us':>9} {'int8 us':>9} {'c++ GB/s':>8} {'amx':>7} "
+          f"{'onednn':>7}")
     rows_out = []
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
     for name, k, n in SHAPES if rows else []:
@@ -199,12 +200,15 @@ def main() -> None:
         packed = PackedLinear(weight) if can_pack(weight.device, weight.dtype) else None
         q, scales, zeros = quantize_int4(weight, 32)
         q4 = ext.int4_pack(pack_q4(q), scales, zeros - 8 * scales)
+        # int8 with a scale a block of 32 columns, as a GGUF's Q8_0 head
+        q8 = ext.int8_pack(quantize_int8(weight)[0], torch.rand(n, k // 32))
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             fns = {
                 "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
                 "int4": lambda x=x, q4=q4: ext.int4_linear(x, q4),
+                "int8": lambda x=x, q8=q8: ext.int8_linear(x, q8),
             }
             if packed is not None:
                 fns["onednn"] = lambda x=x, p=packed: p(x)
@@ -215,7 +219,7 @@ def main() -> None:
             nan = float("nan")
             print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
                   f"{t.get('onednn', nan) * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
-                  f"{t['int4'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
+                  f"{t['int4'] * 1e6:>9.1f} {t['int8'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
                   f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f}")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},

@@ -77,7 +77,7 @@ def agreement(base: list[int], other: list[int]) -> int:
 
 def load(mode: str, dtype: torch.dtype, group: int, backend: str = "reference") -> LlamaModel:
     model = load_model(resolve_model("default"), torch.device("cpu"), dtype,
-                       keep_q4_1=mode == "int4")
+                       keep_blocks=mode == "int4")
     model.ops = kernels.for_device(torch.device("cpu"), backend)
     if mode != "none":
         quantize_model(model, mode, group, ops=model.ops)

@@ -41,15 +41,13 @@ def layer_weights(layer: DecoderLayer) -> tuple | None:
 
 
 def _projection(module: nn.Module) -> list[torch.Tensor] | None:
-    """[W] or [W, oneDNN's copy], [q, scales] (int8) or [the uint8 blob pack_int4 made]
-    (int4): what the C++ products read."""
+    """[W] or [W, oneDNN's copy], or [the blob pack_int8 or pack_int4 made]: what the C++
+    products read."""
     if isinstance(module, KernelLinear) and module.packed is not None:
         return [module.weight, module.packed]
     if isinstance(module, KernelLinear) or isinstance(module, nn.Linear) and module.bias is None:
         return [module.weight]
-    if isinstance(module, Int8Linear) and module.cpp:
-        return [module.q, module.scales]
-    if isinstance(module, Int4Linear) and module.cpp:
+    if isinstance(module, Int8Linear | Int4Linear) and module.cpp:
         return [module.packed]
     return None
 

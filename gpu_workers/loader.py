@@ -62,16 +62,44 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
         w.shape)
 
 
-Blocks = tuple[torch.Tensor, torch.Tensor]  # Q4_1 steps and minimums [rows, columns / 32]
-Tensors = Iterator[tuple[str, torch.Tensor, Blocks | None]]  # (HF name, weight, Q4_1 grid)
+class Blocks(NamedTuple):
+    """A GGUF tensor's own quantized form, by rows: Q4_1's per-block steps and minimums
+    [rows, columns / 32] (values d * q + m, q in 0..15), or Q8_0's values (int8 [rows, columns])
+    and per-block scales [rows, columns / 32] (values q * d)."""
+
+    kind: str  # "q4_1" or "q8_0"
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+Tensors = Iterator[tuple[str, torch.Tensor, Blocks | None]]  # (HF name, weight, its blocks)
 
 
 def _q4_1_blocks(raw: np.ndarray, rows: int) -> Blocks:
-    """A Q4_1 tensor's per-block (step d, minimum m), its values being d * q + m, q in 0..15."""
     blocks = raw.reshape(rows, -1, 20)  # f16 d, f16 m, 16 bytes of 4-bit values
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return torch.from_numpy(d), torch.from_numpy(m)
+    return Blocks("q4_1", torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _q8_0_blocks(raw: np.ndarray, rows: int) -> Blocks:
+    blocks = raw.reshape(rows, -1, 34)  # f16 d, 32 int8 values
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return Blocks("q8_0", torch.from_numpy(q), torch.from_numpy(d))
+
+
+def _blocks(t: Any, short: str, rows: int) -> Blocks | None:
+    """What int4 keeps of the file's own grids: Q4_1 tensors, and a Q8_0 embedding or head
+    (llama.cpp's common form of them) for a head run as the file holds it."""
+    import gguf
+
+    if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        return _q4_1_blocks(np.asarray(t.data), rows)
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and short in ("token_embd.weight",
+                                                                     "output.weight"):
+        return _q8_0_blocks(np.asarray(t.data), rows)
+    return None
 
 
 class _GGUFTensor(NamedTuple):
@@ -116,7 +144,6 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
     """Each of the GGUF reader's tensors (ReaderTensor) this stage holds by its Hugging Face
     name, dequantized (Llama's Q/K rows are in llama.cpp's rotary order, as its converter
     writes them)."""
-    import gguf
     from gguf.quants import dequantize
 
     names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(arch, {})
@@ -143,12 +170,12 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
         if not stage.holds(name):
             continue  # another stage's: never dequantized here
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        blocks = (_q4_1_blocks(np.asarray(t.data), w.shape[0])
-                  if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None)
+        blocks = _blocks(t, short, w.shape[0])
         heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}.get(short)
         if heads and permuted:
             w = _unpermute(w, heads)
-            blocks = blocks and (_unpermute(blocks[0], heads), _unpermute(blocks[1], heads))
+            blocks = blocks and blocks._replace(first=_unpermute(blocks.first, heads),
+                                                second=_unpermute(blocks.second, heads))
         yield name, w, blocks
 
 
@@ -297,11 +324,12 @@ def shard(name: str, w: torch.Tensor, cfg: LlamaConfig, tp: TensorParallel) -> t
 
 
 def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None, keep_q4_1: bool = False,
+               tp: TensorParallel | None = None, keep_blocks: bool = False,
                stage: PipelineStage | None = None) -> LlamaModel:
     """Build the model (this rank's part of it: its tensor-parallel shard of its pipeline
     stage's layers) on `device` in `dtype` and fill every weight from the files, reading only
-    this stage's; keep_q4_1: remember a GGUF's Q4_1 grids too (for int4 quantization)."""
+    this stage's; keep_blocks: remember a GGUF's own grids too, Q4_1 layers and a Q8_0 head
+    (for int4 quantization, gpu_workers/quant.py)."""
     cfg, norm_offset = read_family(files)
     stage = stage or PipelineStage(layers=range(cfg.num_layers))
     if files.gguf_file:
@@ -325,7 +353,8 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
         if isinstance(layer.mlp, MoE):
             layer.mlp.load.zero_()  # to_empty left it unset
     filled: set[str] = set()
-    owners = {id(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    owners = {id(m.weight): m for m in model.modules()
+              if isinstance(m, torch.nn.Linear | torch.nn.Embedding)}
     with torch.no_grad():
         for name, w, blocks in tensors:
             dest = _destination(model, name)
@@ -337,7 +366,7 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
             w = shard(name.split(".", 3)[-1], w, cfg, model.tp)  # the per-layer suffix
             tensor[row : row + w.shape[0]].copy_(w)
             filled.add(name)
-            if keep_q4_1 and blocks is not None and model.tp.size == 1 and id(tensor) in owners:
+            if keep_blocks and blocks is not None and model.tp.size == 1 and id(tensor) in owners:
                 _keep_blocks(owners[id(tensor)], row, blocks)
     if missing := _expected_names(model) - filled:
         raise ValueError(f"weights missing from {files.path}: {sorted(missing)[:5]}")
@@ -345,15 +374,19 @@ def load_model(files: ModelFiles, device: torch.device, dtype: torch.dtype,
     return model.eval()
 
 
-def _keep_blocks(linear: torch.nn.Linear, row: int, blocks: Blocks) -> None:
-    """Remember the file's own 4-bit grid for the rows a Q4_1 tensor filled, so int4 with groups
-    of 32 keeps the file's values exactly (gpu_workers/quant.py reads it)."""
-    out, k = linear.weight.shape
-    if not hasattr(linear, "q4_1"):
-        linear.q4_1 = torch.full((2, out, k // 32), float("nan"))
-    steps, mins = blocks
-    linear.q4_1[0, row : row + steps.shape[0]] = steps
-    linear.q4_1[1, row : row + mins.shape[0]] = mins
+def _keep_blocks(module: torch.nn.Module, row: int, blocks: Blocks) -> None:
+    """Remember the file's own grid for the rows a quantized tensor filled, so int4 keeps the
+    file's values exactly (gpu_workers/quant.py reads it): a Q4_1 grid as module.q4_1, a whole
+    Q8_0 embedding or head as module.q8_0 (values, scales)."""
+    if blocks.kind == "q8_0":
+        if row == 0 and blocks.first.shape == module.weight.shape:
+            module.q8_0 = (blocks.first, blocks.second)
+        return
+    out, k = module.weight.shape
+    if not hasattr(module, "q4_1"):
+        module.q4_1 = torch.full((2, out, k // 32), float("nan"))
+    module.q4_1[0, row : row + blocks.first.shape[0]] = blocks.first
+    module.q4_1[1, row : row + blocks.second.shape[0]] = blocks.second
 
 
 def _expected_names(model: LlamaModel) -> set[str]:

@@ -61,22 +61,30 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """On the C++ backend the scales stay fp32 (kernels/cpu/int8.cpp); PyTorch's operator
-    takes them in the activations' dtype."""
+    """On a backend with its own int8 product (cpu, whole blocks of 32 columns) the scales stay
+    fp32, in the layout its pack_int8 makes, and may be a GGUF Q8_0 tensor's own (`blocks`: q
+    and a scale per block of 32 columns); PyTorch's operator takes one scale per output channel
+    in the activations' dtype."""
 
-    def __init__(self, weight: torch.Tensor, ops: Kernels = kernels.REFERENCE) -> None:
+    def __init__(self, weight: torch.Tensor, ops: Kernels = kernels.REFERENCE,
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        q, scales = quantize_int8(weight)
         self.ops = ops
-        self.cpp = ops.name == "cpu" and weight.shape[1] % 32 == 0  # whole blocks of 32 columns
+        self.cpp = ops.int8_linear is not None and weight.shape[1] % 32 == 0
+        if blocks is not None and not self.cpp:
+            raise ValueError("int8 with a scale per block of 32 columns needs the cpu kernels")
+        q, scales = blocks or quantize_int8(weight)
+        if self.cpp:
+            self.packed = nn.Buffer(ops.pack_int8(q, scales))
+            return
         self.q = nn.Buffer(q)
-        self.scales = nn.Buffer(scales if self.cpp else scales.to(weight.dtype))
+        self.scales = nn.Buffer(scales.to(weight.dtype))
         self.fast = _has_op("_weight_int8pack_mm", weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (the model's tokens are flat) -> [T, out]."""
         if self.cpp:
-            return self.ops.int8_linear(x, self.q, self.scales)
+            return self.ops.int8_linear(x, self.packed)
         if self.fast:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return F.linear(x, self.q.to(x.dtype)) * self.scales
@@ -160,12 +168,17 @@ def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
 def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
                    ops: Kernels = kernels.REFERENCE) -> None:
     """Every decoder-layer projection becomes a quantized linear; the embedding stays, and so
-    does the LM head unless `head` (a tied head then gets a quantized copy of the embedding)."""
+    does the LM head unless `head` (a tied head then gets a quantized copy of the embedding),
+    or unless int4 keeps a GGUF's Q8_0 head as the file holds it (the loader's q8_0 blocks)."""
     for layer in model.layers:
         for parent in (layer.attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, quantized(child, child.weight, mode, group, ops))
-    if head and model.has_head:
-        source = model.embed if model.lm_head is None else model.lm_head
+    if not model.has_head:
+        return
+    source = model.embed if model.lm_head is None else model.lm_head
+    if head:
         model.lm_head = quantized(source, source.weight, mode, group, ops)
+    elif (blocks := getattr(source, "q8_0", None)) is not None and ops.int8_linear is not None:
+        model.lm_head = Int8Linear(source.weight, ops, blocks)

@@ -172,7 +172,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     dtype = pick_dtype(cfg.model, device)
     started = time.monotonic()
     quant = cfg.model.quantization
-    model = load_model(files, device, dtype, tp, keep_q4_1=quant == "int4", stage=stage)
+    model = load_model(files, device, dtype, tp, keep_blocks=quant == "int4", stage=stage)
     ops = kernels.for_device(device, cfg.model.kernel_backend, cfg.model.deterministic)
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,

@@ -45,7 +45,6 @@ class Kernels:
     apply_rotary_: Callable
     fused_moe: Callable
     linear: Callable
-    int8_linear: Callable
     silu_mul: Callable
     argmax: Callable  # the greedy pick of each row of logits
     random_pick: Callable  # the seeded random pick of each row (-1: none)
@@ -54,11 +53,14 @@ class Kernels:
     # A whole Llama-shaped decoder layer in one call (gpu_workers/fused.py), where the backend
     # has one (cpu); None: the model calls the kernels above one by one.
     decoder_layer: Callable | None = None
-    # The backend's own int4 product, over weights it repacked once (int4_linear(x,
-    # pack_int4(packed, scales, mins)) computes kernels.matmul.int4_linear's product), where it
-    # has one (cpu); None: gpu_workers/quant.py takes PyTorch's int4 operators.
+    # The backend's own int4 and int8 products, over weights it repacked once (int4_linear(x,
+    # pack_int4(packed, scales, mins)) computes kernels.matmul.int4_linear's product, and
+    # int8_linear(x, pack_int8(q, scales)) its int8_linear's), where it has them (cpu); None:
+    # gpu_workers/quant.py takes PyTorch's low-bit operators.
     pack_int4: Callable | None = None
     int4_linear: Callable | None = None
+    pack_int8: Callable | None = None
+    int8_linear: Callable | None = None
 
     def __str__(self) -> str:
         return f"{self.name} kernels ({self.reason})"
@@ -69,8 +71,7 @@ class Kernels:
 _MODULES = {"store_kv": "attention", "plan_decode": "attention", "decode_attention": "attention",
             "prefill_attention": "attention", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
             "apply_rotary_": "rotary", "fused_moe": "moe", "linear": "matmul",
-            "int8_linear": "matmul", "silu_mul": "activation", "argmax": "sampling",
-            "random_pick": "sampling"}
+            "silu_mul": "activation", "argmax": "sampling", "random_pick": "sampling"}
 
 
 def backend(name: str, reason: str) -> Kernels:
@@ -86,7 +87,8 @@ def backend(name: str, reason: str) -> Kernels:
                    rotate_and_store=own("rotate_and_store", "rotary") or partial(
                        rotate_and_store, found["apply_rotary_"], found["store_kv"]),
                    decoder_layer=own("decoder_layer", "layer"),
-                   pack_int4=own("pack_int4", "matmul"), int4_linear=own("int4_linear", "matmul"))
+                   **{k: own(k, "matmul") for k in ("pack_int4", "int4_linear", "pack_int8",
+                                                    "int8_linear")})
 
 
 def rotate_and_store(rotate: Callable, store: Callable, qk: torch.Tensor, v: torch.Tensor,

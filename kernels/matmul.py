@@ -36,5 +36,10 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x W^T with W = q * scale per output row (q int8 [N, K], scales [N]), in float32."""
-    return F.linear(x.float(), q.float() * scales.float()[:, None]).to(x.dtype)
+    """x W^T with W = q * scale per output row (q int8 [N, K], scales [N]) or per group of
+    columns (scales [N, groups]), in float32."""
+    scales = scales.float()
+    if scales.dim() == 1:
+        scales = scales[:, None]
+    group = q.shape[1] // scales.shape[1]
+    return F.linear(x.float(), q.float() * scales.repeat_interleave(group, dim=1)).to(x.dtype)

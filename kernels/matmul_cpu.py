@@ -1,7 +1,7 @@
 """x W^T through the C++ products, as kernels.matmul's: `linear` picks the product by rows in
 C++ (kernels/cpu/layer.cpp: AMX tiles, the vector product, or oneDNN, whichever is fastest for
-them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights (int4 repacked once, by
-pack_int4)."""
+them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights, repacked once (pack_int4,
+pack_int8)."""
 
 from __future__ import annotations
 
@@ -63,5 +63,12 @@ def rounds_activations() -> bool:
     return extension().rounds_activations()
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return extension().int8_linear(x, q, scales)
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """kernels.matmul.int8_linear's weights (q int8 [N, K], scales [N] or [N, groups]) in
+    int8_linear's own layout: one int8 tensor, one stream to read."""
+    return extension().int8_pack(q, scales[:, None] if scales.dim() == 1 else scales)
+
+
+def int8_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x W^T for W as pack_int8 packed it, as kernels.matmul.int8_linear computes it."""
+    return extension().int8_linear(x, weights)

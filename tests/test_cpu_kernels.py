@@ -251,7 +251,7 @@ def test_one_call_a_layer_gives_the_layer_by_layer_tokens(model_files, tokenizer
     the rows beside it, so chunked prefill, strangers and decode give the same tokens."""
     ops = kernels.for_device(torch.device("cpu"), "cpu")
     model = load_model(model_files, torch.device("cpu"), torch.bfloat16,
-                       keep_q4_1=quantization == "int4")
+                       keep_blocks=quantization == "int4")
     model.ops = ops
     if quantization != "none":
         quantize_model(model, quantization, 32, ops=ops)
@@ -566,31 +566,36 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed
     _assert_near_the_reference(got, reference, x, w)
 
 
-def test_int4_weights_refuse_another_width():
-    """int4_linear reads the record layout int4_pack made; an x of another width is refused,
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_low_bit_weights_refuse_another_width(quantization):
+    """The products read the record layout their pack made; an x of another width is refused,
     naming both widths, rather than read past the weights."""
-    q = torch.randint(0, 16, (5, 64))
-    weights = matmul_cpu.pack_int4(matmul_ref.pack_q4(q), torch.ones(5, 2), torch.zeros(5, 2))
-    assert weights.dtype == torch.uint8 and weights.shape[0] == 5
+    (weights,), product, _ = _low_bit(quantization, 5, 64)
+    assert weights.shape[0] == 5
     with pytest.raises(RuntimeError, match="packed for 64 columns, x has 96"):
-        matmul_cpu.int4_linear(torch.randn(1, 96), weights)
+        product(torch.randn(1, 96), weights)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 50),
+       st.sampled_from([0, 32, 64]),
        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
-def test_int8_linear_is_the_dequantized_product(m, blocks, n, dtype, seed):
+def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, seed):
     """Against the float64 product of the dequantized weight (x as the product reads it):
-    the per-row scales reach the sums unrounded (fp32), whatever the rows, widths and dtype."""
+    the scales, one a row (group 0) or one a group of 32 or 64 columns (a GGUF's Q8_0 is 32),
+    reach the sums unrounded (fp32), whatever the rows, widths and dtype."""
     from gpu_workers.quant import quantize_int8
 
     torch.manual_seed(seed)
-    k = 32 * blocks
+    k = 64 * blocks
     q, scales = quantize_int8(torch.randn(n, k))
+    if group:
+        scales = torch.rand(n, k // group) * 0.01 + 1e-4
     x = torch.randn(m, k).to(dtype)
-    got = matmul_cpu.int8_linear(x, q, scales)
+    got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales))
     assert got.shape == (m, n) and got.dtype == dtype
-    w = q.double() * scales.double()[:, None]
+    per_column = scales[:, None] if scales.dim() == 1 else scales
+    w = q.double() * per_column.double().repeat_interleave(k // per_column.shape[1], 1)
     exact = _as_read(x) @ w.T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
@@ -604,7 +609,8 @@ def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.
 
     if quantization == "int8":
         q, scales = quantize_int8(torch.randn(n, k))
-        return (q, scales), matmul_cpu.int8_linear, q.double() * scales.double()[:, None]
+        weights = (matmul_cpu.pack_int8(q, scales),)
+        return weights, matmul_cpu.int8_linear, q.double() * scales.double()[:, None]
     q = torch.randint(0, 16, (n, k))
     scales, mins = torch.rand(n, k // 32) * 0.1, -torch.rand(n, k // 32)
     weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),)
@@ -672,18 +678,26 @@ def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantizati
 
 
 def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():
-    """Int8Linear keeps fp32 scales for the C++ product; on the reference it is PyTorch's."""
-    from gpu_workers.quant import Int8Linear
+    """Int8Linear keeps fp32 scales for the C++ product, per row or a Q8_0 tensor's per block;
+    on the reference it is PyTorch's, per row only."""
+    from gpu_workers.quant import Int8Linear, quantize_int8
 
     w = torch.randn(24, 64)
-    cpp = Int8Linear(w.bfloat16(), kernels.for_device(torch.device("cpu"), "cpu"))
-    assert cpp.scales.dtype == torch.float32
+    ops = kernels.for_device(torch.device("cpu"), "cpu")
+    cpp = Int8Linear(w.bfloat16(), ops)
+    assert cpp.packed.dtype == torch.int8
     x = torch.randn(3, 64).bfloat16()
-    torch.testing.assert_close(cpp(x), matmul_ref.int8_linear(x, cpp.q, cpp.scales),
+    q, scales = quantize_int8(w.bfloat16())
+    torch.testing.assert_close(cpp(x), matmul_ref.int8_linear(x, q, scales),
                                rtol=2**-7, atol=1e-4)
     plain = Int8Linear(w.bfloat16())
     assert plain.scales.dtype == torch.bfloat16
     torch.testing.assert_close(plain(x).float(), cpp(x).float(), rtol=2e-2, atol=2e-2)
+    blocks = (q, torch.rand(24, 2) * 0.01)
+    torch.testing.assert_close(Int8Linear(w, ops, blocks)(x), matmul_ref.int8_linear(x, *blocks),
+                               rtol=2**-7, atol=1e-4)
+    with pytest.raises(ValueError, match="per block of 32 columns needs the cpu kernels"):
+        Int8Linear(w, blocks=blocks)
 
 
 @pytest.mark.slow

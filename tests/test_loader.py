@@ -8,15 +8,23 @@ import os
 import pytest
 import torch
 
+import kernels
 from gpu_workers.loader import load_model
-from gpu_workers.quant import Int4Linear, dequantize_int4, quantize_int4, quantize_model
+from gpu_workers.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_model,
+)
+from kernels import matmul
 
 
 def test_gguf_q4_1_blocks_are_kept_exactly(model_files):
     """int4 in groups of 32 on the bundled Q4_1 file reuses the file's own grid (steps and
     minimums read from its blocks, q and k rows un-permuted like the values): the quantized
     layers hold exactly the file's values."""
-    model = load_model(model_files, torch.device("cpu"), torch.float32, keep_q4_1=True)
+    model = load_model(model_files, torch.device("cpu"), torch.float32, keep_blocks=True)
     for linear in (model.layers[0].mlp.gate_up_proj, model.layers[3].attn.qkv_proj):
         grid = linear.q4_1
         assert grid.shape == (2, linear.weight.shape[0], linear.weight.shape[1] // 32)
@@ -25,6 +33,28 @@ def test_gguf_q4_1_blocks_are_kept_exactly(model_files):
                                    rtol=0, atol=1e-6)
     quantize_model(model, "int4", 32)
     assert isinstance(model.layers[0].attn.qkv_proj, Int4Linear)
+
+
+def test_gguf_q8_0_head_is_kept_for_int4_on_the_cpu_kernels(model_files):
+    """The bundled file's embedding, its tied head, is Q8_0 (as llama.cpp writes them): int4
+    keeps its int8 values and fp16 scales as read, and on the cpu kernels the head runs on
+    them, the file's own values (a bf16 embedding rounds them). --quantize-lm-head still
+    quantizes the head to the layers' int4; the reference kernels keep the tied head."""
+    cpu = torch.device("cpu")
+    model = load_model(model_files, cpu, torch.float32, keep_blocks=True)
+    q, scales = model.embed.q8_0
+    assert q.dtype == torch.int8 and q.shape == model.embed.weight.shape
+    assert torch.equal(q.float() * scales.repeat_interleave(32, dim=1), model.embed.weight)
+    quantize_model(model, "int4", 32)
+    assert model.lm_head is None
+    quantize_model(model, "int4", 32, ops=kernels.for_device(cpu, "cpu"))
+    assert isinstance(model.lm_head, Int8Linear)
+    x = torch.randn(2, model.cfg.hidden_size)
+    torch.testing.assert_close(model.lm_head(x), matmul.int8_linear(x, q, scales),
+                               rtol=1e-3, atol=1e-3)
+    model.lm_head = None
+    quantize_model(model, "int4", 32, head=True, ops=kernels.for_device(cpu, "cpu"))
+    assert isinstance(model.lm_head, Int4Linear)
 
 
 def test_our_gguf_header_reader_reads_what_the_gguf_package_reads(model_files, tmp_path):

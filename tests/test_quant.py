@@ -133,7 +133,7 @@ def test_perplexity_increase_is_bounded(model_files, tokenizer, bf16_model, mode
     with open(TEXT) as f:
         ids = tokenizer.encode(f.read())[:512]
     base = perplexity(bf16_model, ids)
-    model = load_model(model_files, torch.device("cpu"), torch.bfloat16, keep_q4_1=True)
+    model = load_model(model_files, torch.device("cpu"), torch.bfloat16, keep_blocks=True)
     quantize_model(model, mode, 32)
     ppl = perplexity(model, ids)
     print(f"\n  {mode}: perplexity {ppl:.3f} vs {base:.3f} ({(ppl / base - 1) * 100:+.2f}%)")

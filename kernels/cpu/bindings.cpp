@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums");
   m.def("rounds_activations", &rounds_activations,
         "whether int4_linear and int8_linear round x to 16 bits a block (integer sums)");
-  m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per output row, fp32 sums");
+  m.def("int8_pack", &int8_pack, "int8 values and scales a row or a block in int8_linear's layout");
+  m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums");
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");

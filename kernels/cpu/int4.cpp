@@ -1,37 +1,31 @@
 // int4 weight products y = x W^T with W = q * scale + min per group of columns (GGUF Q4_1's
 // grid), everything after the nibbles in fp32: the file's scales and minimums are fp16, which
 // fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
-// (x is, to 16 bits a block, on AVX2-only CPUs: integer_product.h).
-//
-// The weights are repacked once (int4_pack) so that a product reads them in one stream: for
-// each dequant::kRows W rows ("a row block") and each block of 32 columns, a record of those
-// rows' nibbles, then their scales, then their minimums. With the nibbles, scales and
-// minimums in three arrays, the kRows interleaved rows made six streams that the hardware
-// prefetcher did not keep ahead of: from memory at one row, this layout is 1.6x (3072 x 576)
-// and 2.5x (576 x 1536) faster, with the same bits.
+// (x is, to 16 bits a block, on AVX2-only CPUs: integer_product.h). The weights are repacked
+// once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
 #include <torch/extension.h>
 
 #include <cmath>
-#include <cstring>
 
 #include "integer_product.h"
+#include "records.h"
 
 namespace {
 
 // Q4_1's block: 32 columns in 16 bytes, byte i holding column i (low nibble) and column i + 16
 // (high nibble), so a block's two halves widen to two contiguous vectors of 16 columns.
-constexpr int64_t kBlock = 32;
-constexpr int64_t kRecordBytes = kBlock / 2 + 2 * sizeof(float);  // per row in a record
+using records::kBlock;
 
-// W in int4_pack's layout, N rows by K columns; a row block of R rows (kRows but in the last)
-// has records of R * kRecordBytes.
+// A row's nibbles, scale and minimum a block.
+inline records::Layout layout(int64_t K) { return {K, kBlock / 2, 2}; }
+
+// W in int4_pack's layout.
 struct Int4W {
   const uint8_t* blob;
-  int64_t N, K;
+  records::Layout layout;
 
-  // The record of W rows [n, n + rows) (a row block) at columns [k, k + 32).
   const uint8_t* record(int64_t n, int64_t rows, int64_t k) const {
-    return blob + (n * (K / kBlock) + (k / kBlock) * rows) * kRecordBytes;
+    return blob + layout.offset(n, rows, k);
   }
   void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
 #if defined(__AVX512F__)
@@ -100,25 +94,7 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
               "int4_pack: q uint8 [N, K / 2] on the CPU, in Q4_1 blocks");
   TORCH_CHECK(scales.dim() == 2 && scales.sizes() == mins.sizes() && scales.size(0) == q.size(0),
               "int4_pack: scales and mins [N, groups]");
-  const int64_t N = q.size(0), K = q.size(1) * 2, groups = scales.size(1);
-  TORCH_CHECK(K % kBlock == 0 && groups > 0 && K % groups == 0 && (K / groups) % kBlock == 0,
-              "int4_pack: K and each of the groups a multiple of 32 columns");
-  auto qc = q.contiguous();
-  auto sc = scales.to(at::kFloat).contiguous(), mc = mins.to(at::kFloat).contiguous();
-  auto blob = torch::empty({N, K / kBlock * kRecordBytes}, q.options());
-  const Int4W w{blob.data_ptr<uint8_t>(), N, K};
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; k += kBlock) {
-      const int64_t first = n - n % dequant::kRows, r = n - first;
-      const int64_t rows = std::min(dequant::kRows, N - first);
-      auto* rec = const_cast<uint8_t*>(w.record(first, rows, k));
-      const int64_t g = n * groups + k / (K / groups);  // a wider group's scale, per block
-      std::memcpy(rec + r * kBlock / 2, qc.data_ptr<uint8_t>() + n * K / 2 + k / 2, kBlock / 2);
-      auto* values = reinterpret_cast<float*>(rec + rows * kBlock / 2);
-      values[r] = sc.data_ptr<float>()[g];
-      values[rows + r] = mc.data_ptr<float>()[g];
-    }
-  return blob;
+  return records::pack(q, {scales, mins}, layout(q.size(1) * 2));
 }
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
@@ -126,10 +102,11 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
                   blob.scalar_type() == at::kByte && blob.is_contiguous(),
               "int4_linear: x [M, K] and int4_pack's weights, on the CPU");
   const int64_t K = x.size(1), N = blob.size(0);
-  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * kRecordBytes,
-              "int4_linear: the weights were packed for ", blob.size(1) / kRecordBytes * kBlock,
+  const records::Layout w = layout(K);
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * w.row_bytes(),
+              "int4_linear: the weights were packed for ", blob.size(1) / w.row_bytes() * kBlock,
               " columns, x has ", K);
-  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), N, K}, N);
+  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, N);
 }
 
 bool rounds_activations() { return integer::kRoundsX; }

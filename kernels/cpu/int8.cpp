@@ -1,71 +1,91 @@
-// int8 weight products y = x W^T with W = q * scale per output row (--quantization int8), the
-// scales kept in fp32 and the sums fp32: the activations' bf16 rounds neither.
+// int8 weight products y = x W^T with W = q * scale, the scales one per output row
+// (--quantization int8) or one per block of 32 columns (a GGUF's Q8_0, whose fp16 scales fp32
+// holds exactly), kept in fp32, and the sums fp32: the activations' bf16 rounds neither. The
+// weights are repacked once (int8_pack) in records.h's layout: a row's 32 bytes, then its scale.
 #include <torch/extension.h>
 
 #include "integer_product.h"
+#include "records.h"
 
 namespace {
 
-// W = q * scale, q int8 [N, K], scales [N] in fp32.
-struct Int8W {
-  const int8_t* q;
-  const float* scales;
-  int64_t K;
+using records::kBlock;
 
-  // The cache line of W[n, k:k+32], once a line.
-  void prefetch(int64_t n, int64_t k) const {
-    if (k % 64 == 0) __builtin_prefetch(q + n * K + k);
+// A row's 32 int8 values and its scale a block.
+inline records::Layout layout(int64_t K) { return {K, kBlock, 1}; }
+
+// W in int8_pack's layout.
+struct Int8W {
+  const int8_t* blob;
+  records::Layout layout;
+
+  const int8_t* record(int64_t n, int64_t rows, int64_t k) const {
+    return blob + layout.offset(n, rows, k);
   }
+  const float* scales(int64_t n, int64_t rows, int64_t k) const {
+    return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock);
+  }
+  void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
 #if defined(__AVX512F__)
   template <int64_t rows>
   void load(int64_t n, int64_t k, __m512* lo, __m512* hi) const {
+    const int8_t* rec = record(n, rows, k);
+    const float* s = scales(n, rows, k);
     for (int64_t r = 0; r < rows; ++r) {
-      const int8_t* p = q + (n + r) * K + k;
-      const __m512 s = _mm512_set1_ps(scales[n + r]);
+      const int8_t* p = rec + r * kBlock;
+      const __m512 scale = _mm512_set1_ps(s[r]);
       lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), scale);
       hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), scale);
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  void load(int64_t n, int64_t, int64_t r, int64_t k, __m256 (&v)[4]) const {
-    const int8_t* p = q + (n + r) * K + k;
-    const __m256 s = _mm256_set1_ps(scales[n + r]);
+  void load(int64_t n, int64_t rows, int64_t r, int64_t k, __m256 (&v)[4]) const {
+    const int8_t* p = record(n, rows, k) + r * kBlock;
+    const __m256 scale = _mm256_set1_ps(scales(n, rows, k)[r]);
     for (int64_t e = 0; e < 4; ++e)
       v[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * e)))), s);
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * e)))), scale);
   }
 
-  // integer_product.h's interface: a row's scale serves each of its blocks.
+  // integer_product.h's interface: the values as they are, the scales beside.
   static constexpr bool kMins = false;
-  void widen16(int64_t n, int64_t, int64_t r, int64_t k, __m256i (&w)[2]) const {
-    const int8_t* p = q + (n + r) * K + k;
+  void widen16(int64_t n, int64_t rows, int64_t r, int64_t k, __m256i (&w)[2]) const {
+    const int8_t* p = record(n, rows, k) + r * kBlock;
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   }
-  const float* steps(int64_t n, int64_t, int64_t) const { return scales + n; }
+  const float* steps(int64_t n, int64_t rows, int64_t k) const { return scales(n, rows, k); }
 #else
-  void load(int64_t n, int64_t, int64_t r, int64_t k, float* out) const {
-    for (int64_t i = 0; i < 32; ++i)
-      out[i] = static_cast<float>(q[(n + r) * K + k + i]) * scales[n + r];
+  void load(int64_t n, int64_t rows, int64_t r, int64_t k, float* out) const {
+    const int8_t* p = record(n, rows, k) + r * kBlock;
+    const float scale = scales(n, rows, k)[r];
+    for (int64_t i = 0; i < kBlock; ++i) out[i] = static_cast<float>(p[i]) * scale;
   }
 #endif
 };
 
 }  // namespace
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kChar &&
-                  x.size(1) == q.size(1),
-              "int8_linear: x [M, K], q int8 [N, K]");
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.dim() == 1 &&
-                  scales.size(0) == q.size(0),
-              "int8_linear: CPU tensors, scales [N]");
-  const int64_t K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % 32 == 0, "int8_linear: K a multiple of 32");
-  auto qc = q.contiguous();
-  auto sc = scales.to(at::kFloat).contiguous();
-  return integer::linear(x, Int8W{qc.data_ptr<int8_t>(), sc.data_ptr<float>(), K}, N);
+torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(),
+              "int8_pack: q int8 [N, K] on the CPU");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == q.size(0),
+              "int8_pack: scales [N, groups] (one group: a scale per row)");
+  const int64_t K = q.size(1);
+  TORCH_CHECK(K % kBlock == 0, "int8_pack: K a multiple of 32, not ", K);
+  return records::pack(q.view(at::kByte), {scales}, layout(K)).view(at::kChar);
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blob) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
+                  blob.scalar_type() == at::kChar && blob.is_contiguous(),
+              "int8_linear: x [M, K] and int8_pack's weights, on the CPU");
+  const int64_t K = x.size(1), N = blob.size(0);
+  const records::Layout w = layout(K);
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * w.row_bytes(),
+              "int8_linear: the weights were packed for ", blob.size(1) / w.row_bytes() * kBlock,
+              " columns, x has ", K);
+  return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, N);
 }

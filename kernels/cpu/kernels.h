@@ -34,8 +34,8 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
                         const torch::Tensor& mins);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob);
 bool rounds_activations();
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scales);
+torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blob);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const std::optional<torch::Tensor>& packed);
 int64_t cpp_rows();

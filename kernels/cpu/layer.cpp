@@ -66,12 +66,11 @@ int64_t cpp_rows() { return amx_available() ? kAmxRows : onednn_bf16() ? kSmallR
 
 namespace {
 
-// A projection's weights: [W] or [W, oneDNN's copy] (bf16), [q, scales] (int8) or
+// A projection's weights: [W] or [W, oneDNN's copy] (bf16), [int8_pack's int8 blob] or
 // [int4_pack's uint8 blob].
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
-  TORCH_CHECK(w.size() == 1 || w.size() == 2,
-              "a projection is [W], [W, packed W], [q, scales] or [blob]");
-  if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0], w[1]);
+  TORCH_CHECK(w.size() == 1 || w.size() == 2, "a projection is [W], [W, packed W] or [blob]");
+  if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0]);
   if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0]);
   return ::linear(x, w[0], w.size() == 2 ? std::optional<torch::Tensor>(w[1]) : std::nullopt);
 }

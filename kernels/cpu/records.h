@@ -1,0 +1,67 @@
+// Quantized weights repacked once (int4_pack, int8_pack) so that a product reads them in one
+// stream: for each dequant::kRows W rows ("a row block", fewer in a matrix's last) and each
+// block of 32 columns, a record of those rows' values (a row's `bytes` in turn), then each of
+// their per-block floats (scales, then minimums where the format has them), `rows` floats
+// each. With the values, scales and minimums in separate arrays, the kRows interleaved rows
+// made six streams that the hardware prefetcher did not keep ahead of: from memory at one row,
+// int4 in this layout is 1.6x (3072 x 576) and 2.5x (576 x 1536) faster, with the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dequant_product.h"
+
+namespace records {
+
+constexpr int64_t kBlock = 32;
+
+// A format's records over W [N, K]: `bytes` of values per row and block, then `floats` floats.
+struct Layout {
+  int64_t K, bytes, floats;
+
+  int64_t row_bytes() const { return bytes + floats * int64_t{sizeof(float)}; }
+  // The record of W rows [n, n + rows) (a row block) at columns [k, k + 32).
+  int64_t offset(int64_t n, int64_t rows, int64_t k) const {
+    return (n * (K / kBlock) + (k / kBlock) * rows) * row_bytes();
+  }
+};
+
+// values [N, K / 32 * bytes] (uint8: each block's bytes in turn) and each of `per_block`
+// [N, groups] (a group a multiple of 32 columns: its float serves each of its blocks) in the
+// layout's records, one uint8 tensor [N, K / 32 * row_bytes].
+inline at::Tensor pack(const at::Tensor& values, const std::vector<at::Tensor>& per_block,
+                       const Layout& layout) {
+  const int64_t N = values.size(0), K = layout.K, blocks = K / kBlock;
+  TORCH_CHECK(values.size(1) == blocks * layout.bytes, "pack: ", layout.bytes,
+              " bytes a block of 32 columns");
+  auto data = values.contiguous();
+  std::vector<at::Tensor> floats;
+  for (const auto& f : per_block) {
+    TORCH_CHECK(f.dim() == 2 && f.size(0) == N && f.size(1) > 0 && K % f.size(1) == 0 &&
+                    (K / f.size(1)) % kBlock == 0,
+                "pack: scales [N, groups], each group a multiple of 32 columns");
+    floats.push_back(f.to(at::kFloat).contiguous());
+  }
+  auto blob = at::empty({N, blocks * layout.row_bytes()}, values.options());
+  uint8_t* out = blob.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t first = n - n % dequant::kRows, r = n - first;
+      const int64_t rows = std::min(dequant::kRows, N - first);
+      uint8_t* rec = out + layout.offset(first, rows, b * kBlock);
+      std::memcpy(rec + r * layout.bytes,
+                  data.data_ptr<uint8_t>() + (n * blocks + b) * layout.bytes, layout.bytes);
+      auto* slots = reinterpret_cast<float*>(rec + rows * layout.bytes);
+      for (size_t j = 0; j < floats.size(); ++j) {
+        const int64_t groups = floats[j].size(1);
+        slots[j * rows + r] = floats[j].data_ptr<float>()[n * groups + b * groups / blocks];
+      }
+    }
+  return blob;
+}
+
+}  // namespace records
