@@ -13,7 +13,8 @@ cached outside the repo, in ~/.cache/surge-bench/llama.cpp/<commit>/bin/llama-se
 started once per workload, with as many slots as the workload's concurrency.
 
 With --quantization none,int8,int4 surge runs once per weight mode (the table then has a
-column per run, ratios against vLLM and llama.cpp).
+column per run, ratios against vLLM and llama.cpp); int4 serves the GGUF file llama.cpp
+serves, keeping its Q4_1 grids and Q8_0 head.
 
 Usage: .venv/bin/python -m bench.compare_vllm [--only surge|vllm|llamacpp]
        [--output result.json] [--quantization none,int8] [--workloads c1,c64]
@@ -282,7 +283,10 @@ def main() -> int:
                 log = os.path.join(ROOT, ".cache", f"{name}-{w}.log")
                 table[name] |= serve(server, model, log, [w], slots=concurrency[w])
         else:
-            table[name] = serve(server, model, os.path.join(ROOT, ".cache", f"{name}.log"),
+            # int4 serves the GGUF file itself, llama.cpp's, whose own Q4_1 grids (and Q8_0
+            # head) it keeps; the export's bf16 values would be re-quantized on a grid of its own.
+            weights = "default" if quantization == "int4" and server == "surge" else model
+            table[name] = serve(server, weights, os.path.join(ROOT, ".cache", f"{name}.log"),
                                 workloads, quantization)
     if len(table) > 1:
         print_table(table, workloads)

@@ -65,8 +65,9 @@ def pick_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
         return getattr(torch, cfg.dtype)
     if device.type == "cuda" or _cpu_has_bf16():
         return torch.bfloat16
-    # Without bf16 instructions the C++ products still step bf16 faster than fp32 (AMD Zen 2,
-    # bench.cpu_backend_step: 1.3-2.3x at 1-64 sequences); PyTorch's own bf16 GEMM does not.
+    # Without bf16 instructions the C++ products still step bf16 faster than fp32 (an AVX2-only
+    # AMD EPYC, bench.cpu_backend_step: 1.3-2.3x at 1-64 sequences); PyTorch's own bf16 GEMM
+    # does not.
     if kernels.for_device(device, cfg.kernel_backend, cfg.deterministic).name == "cpu":
         return torch.bfloat16
     return torch.float32

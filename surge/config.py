@@ -70,7 +70,9 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                   "Q4_1 GGUF keeps the file's own 4-bit values)")
     ] = 32
     quantize_lm_head: Annotated[
-        bool, Meta(description="quantize the LM head too (the embedding always stays)")
+        bool, Meta(description="quantize the LM head too, to the layers' mode (the embedding "
+                   "always stays); without it, int4 on the cpu kernels runs a GGUF's Q8_0 head "
+                   "on the file's own 8-bit values, other set-ups the head unquantized")
     ] = False
     cuda_graph_max_batch: Annotated[
         int, Meta(ge=0, description="on CUDA, decode-only steps up to this many sequences "

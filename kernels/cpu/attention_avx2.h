@@ -16,7 +16,7 @@
 namespace avx2_span {
 
 // Keys ahead of the scores' pass whose K and V rows it prefetches (32 and 128 measured the same
-// on a 2-core EPYC Zen 2; none at all, 1.4x slower from memory).
+// on a 2-core AVX2-only AMD EPYC; none at all, 1.4x slower from memory).
 constexpr int64_t kAhead = 64;
 
 // Lane j of the result is the sum of vj's lanes.

@@ -69,7 +69,7 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     // Once a cache line, the rows dequant::kAheadRows ahead (past W's end a hint never
-    // faults): on AMD Zen 2, 1.2-1.35x over none for 960-49152 x 576 from memory, where
+    // faults): on an AVX2-only AMD EPYC, 1.2-1.35x over none for 960-49152 x 576 from memory, where
     // kAhead's bytes ahead gained at K = 576 but lost at K = 1536 (inside the task's rows).
     if (k % 32 == 0)
       for (int64_t r = 0; r < kRows; ++r)

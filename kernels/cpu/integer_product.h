@@ -196,8 +196,8 @@ constexpr bool kRoundsX =
 // y = x W^T for the int4 and int8 formats. Where this build has the integer product, it takes
 // up to dequant::kTile rows (decode steps); more rows take dequant::linear's fp32 products on x
 // rounded as the integer sums read it, so that a row's values agree across the two to fp32
-// rounding. Past kTile rows the fp32 FMAs are as fast (on AMD Zen 2 vpmaddwd has one pipe, the
-// FMAs two) and 1.1x faster at 64 rows than this product's per-block scaling.
+// rounding. Past kTile rows the fp32 FMAs are as fast, and 1.1x faster at 64 rows than this
+// product's per-block scaling (AVX2-only AMD EPYC).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)

@@ -88,7 +88,7 @@ inline void store_bf16(void* p, __m512 v) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The 8-lane forms of the above, for CPUs with AVX2 and FMA but no AVX-512 (e.g. AMD Zen 2).
+// The 8-lane forms of the above, for CPUs with AVX2 and FMA but no AVX-512.
 #include <immintrin.h>
 
 #include <initializer_list>
