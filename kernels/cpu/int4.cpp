@@ -98,15 +98,8 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
 }
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
-                  blob.scalar_type() == at::kByte && blob.is_contiguous(),
-              "int4_linear: x [M, K] and int4_pack's weights, on the CPU");
-  const int64_t K = x.size(1), N = blob.size(0);
-  const records::Layout w = layout(K);
-  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * w.row_bytes(),
-              "int4_linear: the weights were packed for ", blob.size(1) / w.row_bytes() * kBlock,
-              " columns, x has ", K);
-  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, N);
+  const records::Layout w = records::check("int4_linear", "int4_pack", x, blob, at::kByte, layout);
+  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0));
 }
 
 bool rounds_activations() { return integer::kRoundsX; }

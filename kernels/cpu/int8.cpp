@@ -79,13 +79,6 @@ torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales) {
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blob) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
-                  blob.scalar_type() == at::kChar && blob.is_contiguous(),
-              "int8_linear: x [M, K] and int8_pack's weights, on the CPU");
-  const int64_t K = x.size(1), N = blob.size(0);
-  const records::Layout w = layout(K);
-  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * w.row_bytes(),
-              "int8_linear: the weights were packed for ", blob.size(1) / w.row_bytes() * kBlock,
-              " columns, x has ", K);
-  return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, N);
+  const records::Layout w = records::check("int8_linear", "int8_pack", x, blob, at::kChar, layout);
+  return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, blob.size(0));
 }

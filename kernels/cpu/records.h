@@ -64,4 +64,20 @@ inline at::Tensor pack(const at::Tensor& values, const std::vector<at::Tensor>& 
   return blob;
 }
 
+// What a product over a packed blob checks before reading it: x [M, K] and the blob (of `type`,
+// contiguous) on the CPU, the blob packed by `pack` for x's K columns (named, rather than read
+// past); the format's layout (`layout(K)`) for x.
+inline Layout check(const char* product, const char* pack, const at::Tensor& x,
+                    const at::Tensor& blob, at::ScalarType type, Layout (*layout)(int64_t)) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && blob.dim() == 2 &&
+                  blob.scalar_type() == type && blob.is_contiguous(),
+              product, ": x [M, K] and ", pack, "'s weights, on the CPU");
+  const int64_t K = x.size(1);
+  const Layout w = layout(K);
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock * w.row_bytes(), product,
+              ": the weights were packed for ", blob.size(1) / w.row_bytes() * kBlock,
+              " columns, x has ", K);
+  return w;
+}
+
 }  // namespace records
