@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -197,6 +199,16 @@ def test_add_rms_norm_matches_definition():
     s = x + r
     torch.testing.assert_close(residual, s)
     torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_no_other_distribution_installs_a_kernels_package():
+    """Hugging Face's `kernels` (which transformers 5.25 requires) would share our package's name,
+    and transformers would import ours in its place and fail at start-up."""
+    owners = set(importlib.metadata.packages_distributions().get("kernels", []))
+    assert owners <= {"surge"}, (
+        f"the distributions {sorted(owners - {'surge'})} install a `kernels` package beside "
+        "surge's: keep the dependency that pulls them in below that version (pyproject.toml)"
+    )
 
 
 def test_the_backend_is_a_value_picked_per_device(monkeypatch):
