@@ -1,13 +1,28 @@
-"""Which device each worker runs on, how many workers there are, and which CPUs they use."""
+"""Which device each worker runs on, how many workers there are, and which CPUs they use.
+torch is imported where it is used: the supervisor settles the devices without it where no
+NVIDIA driver is loaded (its import is 2 s of every start-up)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from surge.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where the kernel has no NVIDIA
+    driver (no CUDA device can be used then)."""
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
@@ -15,12 +30,14 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     device per worker, data_parallel_size x pipeline_parallel_size x tensor_parallel_size of
     them, replica by replica, stage by stage. Run in the supervisor: a worker must set
     CUDA_VISIBLE_DEVICES before it asks CUDA anything."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available()):
         return msgspec.structs.replace(cfg, device="cpu",
                                        tensor_parallel_size=cfg.tensor_parallel_size or 1)
     if listed := cfg.devices or os.environ.get("CUDA_VISIBLE_DEVICES"):
         devices = [d.strip() for d in listed.split(",") if d.strip()]
     else:
+        import torch
+
         devices = [str(i) for i in range(torch.cuda.device_count())]
     others = cfg.data_parallel_size * cfg.pipeline_parallel_size
     size = cfg.tensor_parallel_size or max(1, len(devices) // others)
@@ -52,6 +69,8 @@ def parse_cpulist(text: str) -> list[int]:
 
 def _gpu_local_cpus(device: torch.device) -> list[int]:
     """The CPUs of the GPU's NUMA node, from sysfs (empty where unknown)."""
+    import torch
+
     props = torch.cuda.get_device_properties(device)
     bus = getattr(props, "pci_bus_id", None)
     if bus is None:
@@ -75,6 +94,8 @@ def cpu_share(cpus: list[int], rank: int, size: int) -> list[int]:
 def place(cfg: ModelConfig, rank: int, replica: int = 0) -> torch.device:
     """Put worker `rank` of data-parallel `replica` on its device and CPUs (cfg from
     resolve()); call before anything touches CUDA."""
+    import torch
+
     allowed = sorted(os.sched_getaffinity(0))
     index = replica * cfg.group_size + rank  # workers are laid out replica by replica
     if cfg.device == "cuda":

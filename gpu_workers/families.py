@@ -1,12 +1,14 @@
-"""The model families surge serves: each checkpoint's config read into LlamaConfig's switches (see
-gpu_workers/llama.py), and what its weights need at load."""
+"""The model families surge serves: each checkpoint's config read into LlamaConfig's switches (the
+model is gpu_workers/llama.py), and what its weights need at load. No torch here: the supervisor
+reads a model's family before it starts any process."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from gpu_workers.llama import LlamaConfig
-from kernels.rotary import SCALINGS
+import msgspec
+from msgspec import Struct
+
 from surge.model_files import ModelFiles, context_length, gguf_metadata, gguf_rope, hf_config
 
 # Hugging Face model_type values, and GGUF general.architecture values.
@@ -18,6 +20,48 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
 _PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
 # MLP activations (hidden_act / hidden_activation) -> LlamaConfig.activation.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Rope scaling types (rope_type) kernels/rotary.py implements.
+SCALINGS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
+
+class LlamaConfig(Struct, kw_only=True):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # The other families' differences; the defaults are Llama's.
+    qkv_bias: bool = False  # Qwen2: biases on the query, key and value projections
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's query and key
+    sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs are normed too
+    activation: str = "silu"  # of the MLP's gate; Gemma: "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # Gemma: the embeddings are multiplied by sqrt(hidden_size)
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    attn_softcap: float = 0.0  # Gemma 2: scores become softcap * tanh(score / softcap)
+    final_softcap: float = 0.0  # Gemma 2/3: the same on the logits
+    sliding_window: int = 0  # keys a windowed layer's query sees, itself included
+    window_layers: list[bool] = msgspec.field(default_factory=list)  # per layer; empty: none
+    local_rope_theta: float = 0.0  # Gemma 3: the windowed layers' rotary base (0: one rope)
+    # Mixtral, Qwen3-MoE: each layer's MLP is num_experts gated MLPs of moe_intermediate_size
+    # columns, experts_per_token of them per token (0 experts: a dense MLP).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = False  # the top-k weights rescaled to sum to 1 (Mixtral's way)
+    dense_layers: list[int] = msgspec.field(default_factory=list)  # Qwen3-MoE's mlp_only_layers
+
+    @property
+    def reach(self) -> int:
+        """How far back every layer attends, in tokens (0: some layer sees the whole context):
+        KV blocks further back than that can be given back."""
+        return self.sliding_window if self.window_layers and all(self.window_layers) else 0
 
 
 class UnsupportedModel(ValueError):

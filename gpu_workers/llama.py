@@ -7,57 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
 import torch
 import torch.nn.functional as F
 from msgspec import Struct
 from torch import nn
 
 import kernels
+from gpu_workers.families import LlamaConfig
 from gpu_workers.moe import MoE
 from gpu_workers.parallel import TensorParallel
 from gpu_workers.pipeline import PipelineStage
 from kernels import Kernels
-
-
-class LlamaConfig(Struct, kw_only=True):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None = None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    # The other families' differences; the defaults are Llama's.
-    qkv_bias: bool = False  # Qwen2: biases on the query, key and value projections
-    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's query and key
-    sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs are normed too
-    activation: str = "silu"  # of the MLP's gate; Gemma: "gelu_tanh" (GeGLU)
-    embed_scale: float = 1.0  # Gemma: the embeddings are multiplied by sqrt(hidden_size)
-    attn_scale: float = 0.0  # 0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
-    attn_softcap: float = 0.0  # Gemma 2: scores become softcap * tanh(score / softcap)
-    final_softcap: float = 0.0  # Gemma 2/3: the same on the logits
-    sliding_window: int = 0  # keys a windowed layer's query sees, itself included
-    window_layers: list[bool] = msgspec.field(default_factory=list)  # per layer; empty: none
-    local_rope_theta: float = 0.0  # Gemma 3: the windowed layers' rotary base (0: one rope)
-    # Mixtral, Qwen3-MoE: each layer's MLP is num_experts gated MLPs of moe_intermediate_size
-    # columns, experts_per_token of them per token (0 experts: a dense MLP).
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    moe_renormalize: bool = False  # the top-k weights rescaled to sum to 1 (Mixtral's way)
-    dense_layers: list[int] = msgspec.field(default_factory=list)  # Qwen3-MoE's mlp_only_layers
-
-    @property
-    def reach(self) -> int:
-        """How far back every layer attends, in tokens (0: some layer sees the whole context):
-        KV blocks further back than that can be given back."""
-        return self.sliding_window if self.window_layers and all(self.window_layers) else 0
 
 
 class AttentionMetadata(Struct, kw_only=True):
@@ -237,7 +197,10 @@ class LlamaModel(nn.Module):
         self.stage = stage or PipelineStage(layers=range(cfg.num_layers))
         first, last = self.stage.first, self.stage.last
         self.has_head = last
-        self.embed = (nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # A weight of our own skips nn.Embedding's normal_ init, which on the meta device the
+        # loader builds on imports torch._dynamo: 2.7 s of a worker's start-up.
+        self.embed = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                   _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                       if first or (last and cfg.tie_word_embeddings) else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in self.stage.layers)
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size)) if last else None

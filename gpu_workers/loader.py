@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gpu_workers.families import UnsupportedModel, architecture, read_family
-from gpu_workers.llama import LlamaConfig, LlamaModel
+from gpu_workers.families import LlamaConfig, UnsupportedModel, architecture, read_family
+from gpu_workers.llama import LlamaModel
 from gpu_workers.moe import EXPERT_WEIGHT, MoE, expert_names, shard_expert
 from gpu_workers.parallel import TensorParallel
 from gpu_workers.pipeline import PipelineStage
@@ -89,6 +89,26 @@ def _q8_0_blocks(raw: np.ndarray, rows: int) -> Blocks:
     return Blocks("q8_0", torch.from_numpy(q), torch.from_numpy(d))
 
 
+def _dequantized(t: Any) -> torch.Tensor:
+    """t's values in float32, as the gguf package computes them: Q4_1 and Q8_0 (llama.cpp's
+    common forms, the bundled model's) in torch on every core, where gguf's numpy takes one core
+    and most of a server's start-up; other types by gguf."""
+    import gguf
+    from gguf.quants import dequantize
+
+    raw = np.asarray(t.data)
+    rows, shape = int(np.prod(raw.shape[:-1])), (*raw.shape[:-1], -1)
+    if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        d, m = _q4_1_blocks(raw, rows)[1:]
+        q = torch.from_numpy(raw.reshape(rows, -1, 20)[..., 4:].copy())
+        values = torch.cat((q & 15, q >> 4), dim=-1).float()  # byte i: columns i and i + 16
+        return (values * d[..., None] + m[..., None]).reshape(shape)
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        q, d = _q8_0_blocks(raw, rows)[1:]
+        return (q.view(rows, -1, 32).float() * d[..., None]).reshape(shape)
+    return torch.from_numpy(np.array(dequantize(raw, t.tensor_type), dtype=np.float32))
+
+
 def _blocks(t: Any, short: str, rows: int) -> Blocks | None:
     """What int4 keeps of the file's own grids: Q4_1 tensors, and a Q8_0 embedding or head
     (llama.cpp's common form of them) for a head run as the file holds it."""
@@ -144,8 +164,6 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
     """Each of the GGUF reader's tensors (ReaderTensor) this stage holds by its Hugging Face
     name, dequantized (Llama's Q/K rows are in llama.cpp's rotary order, as its converter
     writes them)."""
-    from gguf.quants import dequantize
-
     names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(arch, {})
     permuted = arch == "llama"
 
@@ -154,8 +172,7 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         short = m.group(2) if m else t.name
         if m and short in _GGUF_EXPERTS:
-            stacked = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type),
-                                                dtype=np.float32))
+            stacked = _dequantized(t)
             name = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[short]}.weight"
             if not stage.holds(name):
                 continue
@@ -169,7 +186,7 @@ def _gguf_tensors(tensors: list[Any], cfg: LlamaConfig, arch: str,
             name = f"model.layers.{m.group(1)}.{name}"
         if not stage.holds(name):
             continue  # another stage's: never dequantized here
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = _dequantized(t)
         blocks = _blocks(t, short, w.shape[0])
         heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}.get(short)
         if heads and permuted:

@@ -389,7 +389,7 @@ class ModelRunner:
             return
         masked, mask = self.matchers.bitmask(rows)
         sampling.grammar_rows = torch.tensor(masked, dtype=torch.int64, device=self.device)
-        sampling.grammar_mask = mask.to(self.device, non_blocking=True)
+        sampling.grammar_mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
 
     def _history(self, s: ScheduledSeq) -> list[int] | None:
         """Every token of s up to the one being sampled, for penalties (None without them)."""

@@ -4,9 +4,6 @@ import math
 
 import torch
 
-# Rope scaling types (rope_type) rotary_cache implements.
-SCALINGS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
-
 
 def rotary_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
@@ -60,7 +57,8 @@ def _frequencies(inv_freq: torch.Tensor, theta: float, shape: torch.Tensor,
         attention = scaling.get("attention_factor") or (
             math.sqrt(1 + math.log(factor) / math.log(old_len)) if factor > 1 else 1.0)
         return torch.where(lengths > old_len, long, short), attention
-    raise ValueError(f"rope scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
+    # gpu_workers/families.py's SCALINGS lists the types above: it refuses others at start.
+    raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
 def _yarn(inv_freq: torch.Tensor, theta: float, shape: torch.Tensor, scaling: dict

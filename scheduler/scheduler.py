@@ -23,7 +23,7 @@ from scheduler.quarantine import POISON_ERROR, Quarantine
 from scheduler.queue import WaitingQueue
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculation
-from shm.staging import STAGING_WORDS
+from shm import STAGING_WORDS
 from surge.config import OverloadConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -36,14 +37,32 @@ def cache_dir(files: ModelFiles) -> str:
     return os.path.join(root, "surge", "tokenizers", key.hexdigest()[:24])
 
 
-def _load(files: ModelFiles) -> Any:
+def _from_folder(folder: str) -> Any:
+    """AutoTokenizer's pick for a tokenizer folder. The generic class (a GGUF file's converted
+    tokenizer, Llama 3's) is loaded directly: AutoTokenizer's import of the model configs brings
+    in torch, 2 s of the frontend's start-up."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _load(files: ModelFiles) -> Any:
     if not files.gguf_file:
-        return AutoTokenizer.from_pretrained(files.folder)
+        return _from_folder(files.folder)
     cached = cache_dir(files)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
+        return _from_folder(cached)
+    from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
     partial = f"{cached}.partial-{os.getpid()}"
     try:  # written whole, then renamed: a reader never sees half a folder

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Words in each staging buffer: the most a step may need (the scheduler plans within it).
-STAGING_WORDS = 1 << 20
+from shm import STAGING_WORDS
 
 
 class StagingOverflow(ValueError):

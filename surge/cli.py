@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             cfg = load_config(vars(args))
-            from gpu_workers.devices import resolve  # imports torch: for serve only
+            from gpu_workers.devices import resolve
 
             _check_model(cfg.model.model)
             # Devices and the number of ranks are settled before any worker touches CUDA.

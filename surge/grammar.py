@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
 
 log = logging.getLogger("surge.grammar")
 # Compact JSON with single spaces: with any whitespace allowed a small model may spend its
@@ -133,7 +132,7 @@ class Matchers:
             self.failed[seq_id] = why
             del self.by_seq[seq_id]
 
-    def bitmask(self, rows: list[tuple[int, int, list[int]]]) -> tuple[list[int], torch.Tensor]:
+    def bitmask(self, rows: list[tuple[int, int, list[int]]]) -> tuple[list[int], np.ndarray]:
         """rows: (seq_id, first row, draft tokens) of the constrained sequences in a step.
         -> (the step's rows that are masked, their bitmasks [R, words] int32: bit t of a row
         set = token t allowed), one row per sampling position (after each draft token too)."""
@@ -154,4 +153,4 @@ class Matchers:
         if drafted:
             # Rows past an invalid draft token keep "nothing allowed": their tokens are dropped.
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
-        return out_rows, torch.from_numpy(mask)
+        return out_rows, mask

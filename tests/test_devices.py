@@ -28,9 +28,13 @@ def test_cpu_resolves_to_one_rank_unless_asked():
                            ).tensor_parallel_size == 3
 
 
+def test_cuda_is_asked_of_torch_only_where_a_driver_is_loaded():
+    assert devices._cuda_available() == torch.cuda.is_available()
+
+
 @pytest.fixture
 def four_gpus(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.prompts import CHAT, LONG_TEXT, RAW
-from tests.server import ServerProcess
+from tests.server import ServerProcess, descendants
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -45,6 +45,18 @@ def test_models_and_health(client, server):
     # 256 MiB / (30 layers x K,V x 16 tokens x 3 heads x 64 dims x 4 bytes) = 364 blocks
     assert "KV cache: 364 blocks of 16 tokens = 5824 tokens" in log
     assert "loading weights" not in log  # a progress bar is for a terminal, not a log file
+
+
+def test_only_the_workers_load_torch(server):
+    """The supervisor, scheduler and frontend never import torch: it would cost each of them
+    seconds of start-up (a model's load is the worker's alone) and hundreds of MB."""
+    loaded = {}
+    for pid in descendants(server.proc.pid) | {server.proc.pid}:
+        with open(f"/proc/{pid}/comm") as f, open(f"/proc/{pid}/maps") as maps:
+            loaded[f.read().strip()] = "libtorch" in maps.read()
+    assert loaded.pop("surge: worker 0") is True
+    assert {"surge: supervis", "surge: schedule", "surge: frontend"} <= loaded.keys()
+    assert not any(loaded.values()), loaded
 
 
 def test_chat_greedy_answer(client):

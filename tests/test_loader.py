@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from gpu_workers.loader import load_model
+from gpu_workers.loader import _dequantized, _gguf_file_tensors, _GGUFTensor, load_model
 from gpu_workers.quant import (
     Int4Linear,
     Int8Linear,
@@ -18,6 +18,27 @@ from gpu_workers.quant import (
     quantize_model,
 )
 from kernels import matmul
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0"])
+def test_gguf_tensors_dequantize_as_the_gguf_package_does(kind, model_files):
+    """Our torch dequantizer (Q4_1, Q8_0) and the gguf package's fallback (any other type) give
+    gguf's values bit for bit, on a 3-D expert stack as on a matrix; and on every tensor of the
+    bundled file."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    kind = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((3, 5, 96)).astype(np.float32)
+    for x in (values, values[0]):
+        raw = quantize(x, kind)
+        got = _dequantized(_GGUFTensor("t", kind, x.shape[::-1], raw))
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.equal(got, torch.from_numpy(dequantize(raw, kind)))
+    for t in _gguf_file_tensors(model_files.path):
+        assert torch.equal(_dequantized(t).reshape(-1), torch.from_numpy(
+            np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(-1)), t.name
 
 
 def test_gguf_q4_1_blocks_are_kept_exactly(model_files):

@@ -11,7 +11,7 @@ from kernels import moe
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (Linux x86_64 only)")
 
-from gpu_workers.llama import LlamaConfig  # noqa: E402
+from gpu_workers.families import LlamaConfig  # noqa: E402
 from kernels import moe_triton  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
     DTYPES,

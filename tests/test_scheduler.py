@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from scheduler.quarantine import POISON_ERROR
 from scheduler.scheduler import Scheduler
-from shm.staging import STAGING_WORDS
+from shm import STAGING_WORDS
 from surge.config import SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import (
     PREVIOUS_TOKEN,

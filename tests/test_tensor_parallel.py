@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gpu_workers.llama import LlamaConfig
+from gpu_workers.families import LlamaConfig
 from gpu_workers.loader import shard
 from gpu_workers.parallel import TensorParallel
 from tests.tiny_model import save_tiny_llama

@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (Linux x86_
 
 import kernels
 from bench.gpu_cases import planned_decode
-from gpu_workers.llama import AttentionMetadata, LlamaConfig, LlamaModel
+from gpu_workers.families import LlamaConfig
+from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.model_runner import kv_cache_shape
 from kernels import attention, attention_triton, rmsnorm, rmsnorm_triton, rotary, rotary_triton
 from tests.test_kernels import _paged
