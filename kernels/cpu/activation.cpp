@@ -1,6 +1,8 @@
 // The gated MLP's activation, SiLU(gate) * up, in one pass over the gate_up projection's output
 // (the reference splits it, applies SiLU, multiplies: three passes and two roundings).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -48,11 +50,11 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
 }  // namespace
 
 // x [T, 2F] (gate columns, then up columns) -> [T, F].
-torch::Tensor silu_mul(const torch::Tensor& x) {
+at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x [T, 2F]");
   auto xc = x.contiguous();
   const int64_t rows = xc.size(0), width = xc.size(1) / 2;
-  auto out = torch::empty({rows, width}, x.options());
+  auto out = at::empty({rows, width}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "silu_mul", [&] {
     silu_mul_rows<scalar_t>(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width);
   });

@@ -3,7 +3,8 @@
 // repacked once a call into the B operand's pair-interleaved layout, so no reorder of W is
 // ever needed (oneDNN reorders a plain W on every call, or keeps a second, packed copy).
 // The tiles compute y^T = W x^T, 16 features by 16 rows of x at a time, summed in fp32.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -125,7 +126,7 @@ bool amx_available() {
 #endif
 }
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(amx_available(), "amx_linear: this CPU (or kernel) gives no AMX tiles");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "amx_linear takes bfloat16 x and weight");
@@ -135,7 +136,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   TORCH_CHECK(K % kK == 0, "amx_linear: K a multiple of 32");
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const std::vector<at::BFloat16> xp = pack_x(xc.data_ptr<at::BFloat16>(), M, K);
   const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -165,6 +166,6 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   });
   return out;
 #else
-  return torch::Tensor();
+  return at::Tensor();
 #endif
 }

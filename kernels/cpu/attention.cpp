@@ -11,7 +11,9 @@
 // their log-sum-exp. Without cascade the parts are a row's spans, whose bounds are absolute
 // positions, and a row's arithmetic is the same in any tile: its result does not depend on the
 // batch around it.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -516,9 +518,9 @@ void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
 // it sees at most (0: all); softcap: scores soft-capped to (-softcap, softcap) (0: not);
 // shared_keys: keys at the head of rows [0, shared_rows)'s tables that are the same blocks in
 // each (a shared prompt), read once for all those rows (cascade; not with a window).
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& seq_of, const torch::Tensor& visible,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_of, const at::Tensor& visible,
                               double scale, int64_t window, double softcap, int64_t shared_rows,
                               int64_t shared_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, H, D], caches [KVH, N, BS, D]");
@@ -526,10 +528,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(shared_rows >= 0 && shared_rows <= q.size(0) && shared_keys >= 0,
               "shared_rows must be within the rows, shared_keys not negative");
   auto qc = q.contiguous();
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto seqs = seq_of.to(torch::kInt64).contiguous();
-  auto seen = visible.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(qc);
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto seqs = seq_of.to(at::kLong).contiguous();
+  auto seen = visible.to(at::kLong).contiguous();
+  auto out = at::empty_like(qc);
   const int64_t heads = qc.size(1), kv_heads = k_cache.size(0);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention",

@@ -1,3 +1,5 @@
+#include <torch/python.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -13,7 +13,10 @@
 //   prefetch(n, k)              hints W[n, k:k+32]'s cache lines in.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // Small-M products y = x W^T for decode steps (M up to ~16 rows of x). At this size the time is
 // W's bytes over the memory bandwidth, so W is read exactly once a call: each task takes a few
 // of W's rows and every row of x reuses each loaded W vector while it is in registers.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -141,7 +142,7 @@ std::string gemv_isa() {
 #endif
 }
 
-torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "small_m_linear takes bfloat16 x and weight");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -149,7 +150,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   // Each sum is rounded to bf16 once, from fp32, as oneDNN's bf16 product rounds it.
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -179,7 +180,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
 // past dequant::kWidenRows rows, all of W for MKL) and the sums fp32, each rounded to bf16 once:
 // where oneDNN has no bf16 path (AVX2-only CPUs) PyTorch's own bf16 GEMM is 4-10x slower than
 // this past a few rows.
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16_linear takes bfloat16 x and weight");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) &&

@@ -3,7 +3,7 @@
 // fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
 // (x is, to 16 bits a block, on AVX2-only CPUs: integer_product.h). The weights are repacked
 // once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 
@@ -88,8 +88,8 @@ struct Int4W {
 
 }  // namespace
 
-torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
-                        const torch::Tensor& mins) {
+at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
+                        const at::Tensor& mins) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.device().is_cpu(),
               "int4_pack: q uint8 [N, K / 2] on the CPU, in Q4_1 blocks");
   TORCH_CHECK(scales.dim() == 2 && scales.sizes() == mins.sizes() && scales.size(0) == q.size(0),
@@ -97,7 +97,7 @@ torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
   return records::pack(q, {scales, mins}, layout(q.size(1) * 2));
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob) {
   const records::Layout w = records::check("int4_linear", "int4_pack", x, blob, at::kByte, layout);
   return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0));
 }

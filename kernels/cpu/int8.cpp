@@ -2,7 +2,7 @@
 // (--quantization int8) or one per block of 32 columns (a GGUF's Q8_0, whose fp16 scales fp32
 // holds exactly), kept in fp32, and the sums fp32: the activations' bf16 rounds neither. The
 // weights are repacked once (int8_pack) in records.h's layout: a row's 32 bytes, then its scale.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include "integer_product.h"
 #include "records.h"
@@ -68,7 +68,7 @@ struct Int8W {
 
 }  // namespace
 
-torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales) {
+at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(),
               "int8_pack: q int8 [N, K] on the CPU");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == q.size(0),
@@ -78,7 +78,7 @@ torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales) {
   return records::pack(q.view(at::kByte), {scales}, layout(K)).view(at::kChar);
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blob) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob) {
   const records::Layout w = records::check("int8_linear", "int8_pack", x, blob, at::kChar, layout);
   return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, blob.size(0));
 }

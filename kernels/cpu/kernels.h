@@ -2,50 +2,50 @@
 // together (each is defined in the file of its family).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& seq_of, const torch::Tensor& visible,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_of, const at::Tensor& visible,
                               double scale, int64_t window, double softcap, int64_t shared_rows,
                               int64_t shared_keys);
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                        const torch::Tensor& weight, double eps);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight);
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                        const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight);
 std::string gemv_isa();
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight);
 bool amx_available();
-torch::Tensor silu_mul(const torch::Tensor& x);
-torch::Tensor argmax_rows(const torch::Tensor& logits);
-torch::Tensor random_pick(const torch::Tensor& logits, const torch::Tensor& temperature,
-                          const torch::Tensor& top_k, const torch::Tensor& top_p,
-                          const torch::Tensor& min_p, const torch::Tensor& seeds,
-                          const torch::Tensor& positions);
-void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
-                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                      const torch::Tensor& slots);
-torch::Tensor int4_pack(const torch::Tensor& q, const torch::Tensor& scales,
-                        const torch::Tensor& mins);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& blob);
+at::Tensor silu_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& logits);
+at::Tensor random_pick(const at::Tensor& logits, const at::Tensor& temperature,
+                          const at::Tensor& top_k, const at::Tensor& top_p,
+                          const at::Tensor& min_p, const at::Tensor& seeds,
+                          const at::Tensor& positions);
+void rotate_and_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots);
+at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
+                        const at::Tensor& mins);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob);
 bool rounds_activations();
-torch::Tensor int8_pack(const torch::Tensor& q, const torch::Tensor& scales);
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blob);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const std::optional<torch::Tensor>& packed);
+at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& packed);
 int64_t cpp_rows();
 int64_t widen_rows();
-std::vector<torch::Tensor> decoder_layer(
-    const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
-    const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,
-    const std::vector<torch::Tensor>& o, const torch::Tensor& mlp_norm,
-    const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
-    const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
-    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t shared_rows,
+std::vector<at::Tensor> decoder_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const at::Tensor& input_norm, const std::vector<at::Tensor>& qkv,
+    const std::vector<at::Tensor>& o, const at::Tensor& mlp_norm,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
+    const at::Tensor& seq_of, const at::Tensor& visible, int64_t shared_rows,
     int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap);

@@ -4,6 +4,7 @@
 // returns (module calls, views, argument checks) than in its products.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/linear.h>
 
 #include "kernels.h"
 
@@ -19,7 +20,7 @@ namespace {
 
 // x W^T by oneDNN on W's blocked copy (torch.ops.mkldnn._linear_pointwise, as
 // gpu_workers/packed.py calls it from Python).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"),
@@ -48,8 +49,8 @@ bool onednn_bf16() {
 // rows, oneDNN otherwise (and for other dtypes): on `packed`, W's oneDNN-blocked copy, where
 // the model keeps one (1.2-1.3x the plain weight's product at 64-128 rows on AVX-512 BF16).
 // Where oneDNN has no bf16 path, the rows past kSmallRows take bf16_linear.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const std::optional<torch::Tensor>& packed) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& packed) {
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
     static const bool amx = amx_available();
     const int64_t rows = x.size(0);
@@ -68,11 +69,11 @@ namespace {
 
 // A projection's weights: [W] or [W, oneDNN's copy] (bf16), [int8_pack's int8 blob] or
 // [int4_pack's uint8 blob].
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w) {
   TORCH_CHECK(w.size() == 1 || w.size() == 2, "a projection is [W], [W, packed W] or [blob]");
   if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0]);
   if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0]);
-  return ::linear(x, w[0], w.size() == 2 ? std::optional<torch::Tensor>(w[1]) : std::nullopt);
+  return ::linear(x, w[0], w.size() == 2 ? std::optional<at::Tensor>(w[1]) : std::nullopt);
 }
 
 }  // namespace
@@ -81,16 +82,16 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
 // norm, qkv, rotary with the K/V store, paged attention over every row (rows: their tables
 // row seq_of and visible keys, decode and prefill alike; the first shared_rows begin with
 // shared_keys keys in common), o, norm, gate_up, SiLU * up, down.
-std::vector<torch::Tensor> decoder_layer(
-    const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
-    const torch::Tensor& input_norm, const std::vector<torch::Tensor>& qkv,
-    const std::vector<torch::Tensor>& o, const torch::Tensor& mlp_norm,
-    const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
-    const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& tables,
-    const torch::Tensor& seq_of, const torch::Tensor& visible, int64_t shared_rows,
+std::vector<at::Tensor> decoder_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const at::Tensor& input_norm, const std::vector<at::Tensor>& qkv,
+    const std::vector<at::Tensor>& o, const at::Tensor& mlp_norm,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
+    const at::Tensor& seq_of, const at::Tensor& visible, int64_t shared_rows,
     int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap) {
-  torch::Tensor h, res;
+  at::Tensor h, res;
   if (residual) {
     auto normed = add_rms_norm(x, *residual, input_norm, eps);
     h = normed[0];

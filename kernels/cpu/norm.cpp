@@ -1,5 +1,7 @@
 // RMSNorm, alone and fused with the residual add: one pass over each row, float32 sums.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -83,11 +85,11 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residu
 
 }  // namespace
 
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                        const torch::Tensor& weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                        const at::Tensor& weight, double eps) {
   auto xc = x.contiguous(), rc = residual.contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
-  auto out = torch::empty_like(xc), res = torch::empty_like(rc);
+  auto out = at::empty_like(xc), res = at::empty_like(rc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "add_rms_norm",
                                   [&] {
     norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(),
@@ -98,10 +100,10 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
   return {out, res};
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto xc = x.contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
-  auto out = torch::empty_like(xc);
+  auto out = at::empty_like(xc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
     norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(),
                         out.data_ptr<scalar_t>(), nullptr, xc.numel() / xc.size(-1),

@@ -7,7 +7,8 @@
 // int4 in this layout is 1.6x (3072 x 576) and 2.5x (576 x 1536) faster, with the same bits.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <cstring>

@@ -1,7 +1,8 @@
 // Rotary embedding of the queries and keys, fused with the KV-cache store: one pass over each
 // token's heads, where the reference makes a float copy, rolls, multiplies, adds, copies back,
 // then scatters keys and values in two more passes.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include <ATen/Parallel.h>
 
@@ -64,9 +65,9 @@ void rotate_rows(T* qk, int64_t qk_stride, const T* v, int64_t v_stride, const A
 
 // qk [T, H + KVH, D] (a view of the qkv projection: rows strided, heads contiguous), v [T, KVH,
 // D] likewise; cos, sin [T, 1, D]; caches [KVH, num_blocks, block_size, D]; slots [T].
-void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Tensor& cos,
-                      const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                      const torch::Tensor& slots) {
+void rotate_and_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots) {
   const int64_t tokens = qk.size(0), dim = qk.size(2), kv_heads = k_cache.size(0);
   const int64_t heads = qk.size(1) - kv_heads;
   TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == dim && v.stride(2) == 1 &&
@@ -76,7 +77,7 @@ void rotate_and_store(torch::Tensor qk, const torch::Tensor& v, const torch::Ten
                   k_cache.scalar_type() == qk.scalar_type() && k_cache.size(3) == dim,
               "rotate_and_store: contiguous caches [KVH, N, BS, D] of qk's dtype");
   auto c = cos.contiguous(), s = sin.contiguous();
-  auto sl = slots.to(torch::kInt64).contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotate", [&] {
     using T = scalar_t;

@@ -1,7 +1,8 @@
 // The greedy pick of each row of logits: the first index of its largest value (of its first
 // NaN, if it has one), as torch.argmax picks it, in one pass of 16 lanes over the row (64 rows
 // of a 49152-token vocabulary: PyTorch's reduction took 0.9 ms, most of the sampling).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -83,13 +84,13 @@ int64_t argmax_row(const float* x, int64_t n) {
 }  // namespace
 
 // logits [B, V] float32 -> [B] int64.
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
+at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
                   logits.device().is_cpu(),
               "argmax_rows: float32 logits [B, V] on the CPU");
   auto x = logits.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -308,10 +309,10 @@ int64_t pick_row(const float* logits, int64_t V, float T, int64_t top_k, float t
 // only (a few hundred where the reference sorts and races all 49152); -1 where a row has no
 // pick (temperature 0, NaN or fully masked logits). Tokens differ from the reference's only
 // where two candidates' scores tie within float rounding.
-torch::Tensor random_pick(const torch::Tensor& logits, const torch::Tensor& temperature,
-                          const torch::Tensor& top_k, const torch::Tensor& top_p,
-                          const torch::Tensor& min_p, const torch::Tensor& seeds,
-                          const torch::Tensor& positions) {
+at::Tensor random_pick(const at::Tensor& logits, const at::Tensor& temperature,
+                          const at::Tensor& top_k, const at::Tensor& top_p,
+                          const at::Tensor& min_p, const at::Tensor& seeds,
+                          const at::Tensor& positions) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
                   logits.device().is_cpu(),
               "random_pick: float32 logits [B, V] on the CPU");
@@ -323,7 +324,7 @@ torch::Tensor random_pick(const torch::Tensor& logits, const torch::Tensor& temp
   TORCH_CHECK(t.numel() == rows && p.numel() == rows && mp.numel() == rows && k.numel() == rows &&
                   s.numel() == rows && pos.numel() == rows,
               "random_pick: one temperature, top_k, top_p, min_p, seed and position a row");
-  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* lp = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
