@@ -37,15 +37,13 @@ def cache_dir(files: ModelFiles) -> str:
     return os.path.join(root, "surge", "tokenizers", key.hexdigest()[:24])
 
 
-def _from_folder(folder: str) -> Any:
-    """AutoTokenizer's pick for a tokenizer folder. The generic class (a GGUF file's converted
-    tokenizer, Llama 3's) is loaded directly: AutoTokenizer's import of the model configs brings
-    in torch, 2 s of the frontend's start-up."""
-    try:
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
-            named = json.load(f).get("tokenizer_class")
-    except (OSError, ValueError):
-        named = None
+def _from_cache(folder: str) -> Any:
+    """A GGUF file's tokenizer as converted and saved. The folder has no model config, so
+    AutoTokenizer would load the generic class it names as that class: loaded directly, without
+    AutoTokenizer's import of the model configs, which brings in torch (2 s of the frontend's
+    start-up)."""
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        named = json.load(f).get("tokenizer_class")
     if named in ("PreTrainedTokenizerFast", "TokenizersBackend"):
         from transformers import PreTrainedTokenizerFast
 
@@ -56,13 +54,13 @@ def _from_folder(folder: str) -> Any:
 
 
 def _load(files: ModelFiles) -> Any:
-    if not files.gguf_file:
-        return _from_folder(files.folder)
-    cached = cache_dir(files)
-    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return _from_folder(cached)
+    cached = cache_dir(files) if files.gguf_file else ""
+    if cached and os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return _from_cache(cached)
     from transformers import AutoTokenizer
 
+    if not files.gguf_file:
+        return AutoTokenizer.from_pretrained(files.folder)
     hf = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
     partial = f"{cached}.partial-{os.getpid()}"
     try:  # written whole, then renamed: a reader never sees half a folder
