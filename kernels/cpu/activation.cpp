@@ -1,10 +1,9 @@
 // The gated MLP's activation, SiLU(gate) * up, in one pass over the gate_up projection's output
 // (the reference splits it, applies SiLU, multiplies: three passes and two roundings).
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 

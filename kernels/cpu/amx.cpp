@@ -3,10 +3,9 @@
 // repacked once a call into the B operand's pair-interleaved layout, so no reorder of W is
 // ever needed (oneDNN reorders a plain W on every call, or keeps a second, packed copy).
 // The tiles compute y^T = W x^T, 16 features by 16 rows of x at a time, summed in fp32.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-
-#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <vector>

@@ -11,11 +11,10 @@
 // their log-sum-exp. Without cascade the parts are a row's spans, whose bounds are absolute
 // positions, and a row's arithmetic is the same in any tile: its result does not depend on the
 // batch around it.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty_like.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <atomic>
@@ -519,10 +518,10 @@ void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
 // shared_keys: keys at the head of rows [0, shared_rows)'s tables that are the same blocks in
 // each (a shared prompt), read once for all those rows (cascade; not with a window).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                              const at::Tensor& seq_of, const at::Tensor& visible,
-                              double scale, int64_t window, double softcap, int64_t shared_rows,
-                              int64_t shared_keys) {
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_of, const at::Tensor& visible,
+                           double scale, int64_t window, double softcap, int64_t shared_rows,
+                           int64_t shared_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, H, D], caches [KVH, N, BS, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
   TORCH_CHECK(shared_rows >= 0 && shared_rows <= q.size(0) && shared_keys >= 0,

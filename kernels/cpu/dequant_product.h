@@ -13,11 +13,11 @@
 //   prefetch(n, k)              hints W[n, k:k+32]'s cache lines in.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -280,9 +280,9 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
 // Past this many rows of x (prefill chunks) W is dequantized whole into fp32 once a call and
 // MKL's GEMM takes the product: its cache blocking beats the tiles here there, for every format
 // (AVX2-only AMD EPYC, int4, 960 x 576 / 3072 x 576 / 576 x 1536: 320 rows 2.8 / 9.8 / 4.4 ms
-// against 3.4 / 11.0 / 5.5, 1024 rows 9.0 / 26.4 / 12.6 against 11.4 / 27.8 / 17.4). Between 192 and
-// 256 rows the products alone are mixed, but served at 64 streams (bf16, 128 in / 128 out)
-// 192 gave 169 tok/s against 156 at 256. A row's bits then depend on whether its call has more
+// against 3.4 / 11.0 / 5.5, 1024 rows 9.0 / 26.4 / 12.6 against 11.4 / 27.8 / 17.4). Between
+// 192 and 256 rows the products alone are mixed, but served at 64 streams (bf16, 128 in / 128
+// out) 192 gave 169 tok/s against 156 at 256. A row's bits then depend on whether its call has more
 // rows than this, as with oneDNN's products.
 constexpr int64_t kWidenRows = 192;
 

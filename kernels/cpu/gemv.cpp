@@ -1,10 +1,9 @@
 // Small-M products y = x W^T for decode steps (M up to ~16 rows of x). At this size the time is
 // W's bytes over the memory bandwidth, so W is read exactly once a call: each task takes a few
 // of W's rows and every row of x reuses each loaded W vector while it is in registers.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 

@@ -89,7 +89,7 @@ struct Int4W {
 }  // namespace
 
 at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
-                        const at::Tensor& mins) {
+                     const at::Tensor& mins) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.device().is_cpu(),
               "int4_pack: q uint8 [N, K / 2] on the CPU, in Q4_1 blocks");
   TORCH_CHECK(scales.dim() == 2 && scales.sizes() == mins.sizes() && scales.size(0) == q.size(0),

@@ -9,12 +9,12 @@
 #include <vector>
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                              const at::Tensor& seq_of, const at::Tensor& visible,
-                              double scale, int64_t window, double softcap, int64_t shared_rows,
-                              int64_t shared_keys);
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_of, const at::Tensor& visible,
+                           double scale, int64_t window, double softcap, int64_t shared_rows,
+                           int64_t shared_keys);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                        const at::Tensor& weight, double eps);
+                                     const at::Tensor& weight, double eps);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight);
@@ -24,20 +24,20 @@ bool amx_available();
 at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor random_pick(const at::Tensor& logits, const at::Tensor& temperature,
-                          const at::Tensor& top_k, const at::Tensor& top_p,
-                          const at::Tensor& min_p, const at::Tensor& seeds,
-                          const at::Tensor& positions);
+                       const at::Tensor& top_k, const at::Tensor& top_p,
+                       const at::Tensor& min_p, const at::Tensor& seeds,
+                       const at::Tensor& positions);
 void rotate_and_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                       const at::Tensor& slots);
 at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
-                        const at::Tensor& mins);
+                     const at::Tensor& mins);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob);
 bool rounds_activations();
 at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& packed);
+                  const std::optional<at::Tensor>& packed);
 int64_t cpp_rows();
 int64_t widen_rows();
 std::vector<at::Tensor> decoder_layer(

@@ -50,7 +50,7 @@ bool onednn_bf16() {
 // the model keeps one (1.2-1.3x the plain weight's product at 64-128 rows on AVX-512 BF16).
 // Where oneDNN has no bf16 path, the rows past kSmallRows take bf16_linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& packed) {
+                  const std::optional<at::Tensor>& packed) {
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
     static const bool amx = amx_available();
     const int64_t rows = x.size(0);

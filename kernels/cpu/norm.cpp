@@ -1,9 +1,8 @@
 // RMSNorm, alone and fused with the residual add: one pass over each row, float32 sums.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty_like.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <type_traits>
@@ -86,7 +85,7 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residu
 }  // namespace
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                        const at::Tensor& weight, double eps) {
+                                     const at::Tensor& weight, double eps) {
   auto xc = x.contiguous(), rc = residual.contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
   auto out = at::empty_like(xc), res = at::empty_like(rc);

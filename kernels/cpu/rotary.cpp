@@ -1,10 +1,9 @@
 // Rotary embedding of the queries and keys, fused with the KV-cache store: one pass over each
 // token's heads, where the reference makes a float copy, rolls, multiplies, adds, copies back,
 // then scatters keys and values in two more passes.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <type_traits>
 #include <vector>

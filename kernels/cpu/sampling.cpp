@@ -1,10 +1,9 @@
 // The greedy pick of each row of logits: the first index of its largest value (of its first
 // NaN, if it has one), as torch.argmax picks it, in one pass of 16 lanes over the row (64 rows
 // of a 49152-token vocabulary: PyTorch's reduction took 0.9 ms, most of the sampling).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -310,9 +309,9 @@ int64_t pick_row(const float* logits, int64_t V, float T, int64_t top_k, float t
 // pick (temperature 0, NaN or fully masked logits). Tokens differ from the reference's only
 // where two candidates' scores tie within float rounding.
 at::Tensor random_pick(const at::Tensor& logits, const at::Tensor& temperature,
-                          const at::Tensor& top_k, const at::Tensor& top_p,
-                          const at::Tensor& min_p, const at::Tensor& seeds,
-                          const at::Tensor& positions) {
+                       const at::Tensor& top_k, const at::Tensor& top_p,
+                       const at::Tensor& min_p, const at::Tensor& seeds,
+                       const at::Tensor& positions) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
                   logits.device().is_cpu(),
               "random_pick: float32 logits [B, V] on the CPU");
