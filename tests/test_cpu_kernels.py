@@ -36,7 +36,7 @@ from tests.prompts import CHAT, reference_prompts
 from tests.server import ServerProcess
 from tests.test_kernels import _paged
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 seeds = st.integers(0, 2**32 - 1)
 
 
@@ -207,7 +207,7 @@ def test_prefill_attention_over_several_spans(shape, extra, seed, data):
     _check_prefill(shape, extra, seed, data, longest=600, scale=0.125, num_blocks=320)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [64, 576, 1000])
 def test_rms_norms(dtype, width):
     x, residual = torch.randn(7, width).to(dtype), torch.randn(7, width).to(dtype)
@@ -219,6 +219,21 @@ def test_rms_norms(dtype, width):
     want = rmsnorm.add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the sum, rounded the same
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_residual_sum_rounds_as_torch_does(dtype):
+    """Sums halfway between two neighbours (to even, up and down), past the largest finite
+    value, and NaN, rounded by the vector paths (8 or 16 columns) and the scalar tail alike."""
+    eps = torch.finfo(dtype).eps
+    x = torch.tensor([1.0, 1.0 + 2 * eps, 1.0, float("nan"), torch.finfo(dtype).max, -3.0, 0.5,
+                      1.0] * 3, dtype=dtype)[None]
+    residual = torch.tensor([eps / 2, eps / 2, eps / 4, 1.0, torch.finfo(dtype).max, 2.0, -0.5,
+                             -eps / 2] * 3, dtype=dtype)[None]
+    weight = torch.ones(x.shape[1], dtype=dtype)
+    got = rmsnorm_cpu.add_rms_norm(x, residual, weight, 1e-6)[1]
+    torch.testing.assert_close(got, (x.float() + residual.float()).to(dtype), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -405,8 +420,8 @@ def test_a_bf16_model_on_cpp_products_agrees_with_float32_as_plain_bf16(model_fi
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 9), st.integers(1, 100), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.floats(0.1, 60.0), seeds)
+@given(st.integers(1, 9), st.integers(1, 100),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.floats(0.1, 60.0), seeds)
 def test_silu_mul_is_the_reference_in_one_pass(rows, width, dtype, spread, seed):
     """Widths that are no multiple of a vector, and gates far out on both sides (where e^-g
     overflows or vanishes), within one rounding of the float64 value."""
@@ -417,13 +432,19 @@ def test_silu_mul_is_the_reference_in_one_pass(rows, width, dtype, spread, seed)
     got = activation_cpu.silu_mul(x)
     assert got.shape == (rows, width) and got.dtype == dtype
     exact = activation.silu_mul(x.double())
-    rounding = 2**-8 if dtype == torch.bfloat16 else 1e-6
-    assert ((got.double() - exact).abs() <= rounding * exact.abs() + 1e-30).all()
+    rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 1e-6)
+    # float16 has nothing below 2^-24 (tiny products round to 0 or to it), and past its largest
+    # finite value a product is inf, as the reference's.
+    tiny = 2**-24 if dtype == torch.float16 else 1e-30
+    largest = torch.finfo(dtype).max
+    close = (got.double() - exact).abs() <= rounding * exact.abs() + tiny
+    assert close[exact.abs() <= largest].all()
+    assert got[exact.abs() > largest * 1.001].isinf().all()
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([(4, 4), (9, 3), (8, 1)]), st.sampled_from([64, 128]),
-       st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
 def test_rotate_and_store_is_rotary_then_store(tokens, heads, dim, dtype, seed):
     """On a view of the qkv projection (rows strided), into shuffled slots of a cache whose
     other slots must stay untouched: the fused kernel against the reference's two passes."""

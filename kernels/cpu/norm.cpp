@@ -39,13 +39,14 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residu
         sq = _mm512_reduce_add_ps(squares);
       }
 #elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<T, float>) {  // 8 columns at a time (fp32: no roundings)
+      if constexpr (!std::is_same_v<T, double>) {  // 8 columns at a time, same roundings
         __m256 squares = _mm256_setzero_ps();
         for (; c + 8 <= width; c += 8) {
-          __m256 v = _mm256_loadu_ps(xr + c);
+          __m256 v = load8(xr + c);
           if (residual != nullptr) {
-            v = _mm256_add_ps(v, _mm256_loadu_ps(residual + r * width + c));
-            _mm256_storeu_ps(residual_out + r * width + c, v);
+            T* sum = residual_out + r * width + c;
+            store8(sum, _mm256_add_ps(v, load8(residual + r * width + c)));
+            v = load8(sum);  // as rounded to T
           }
           _mm256_storeu_ps(h.data() + c, v);
           squares = _mm256_fmadd_ps(v, v, squares);
@@ -73,6 +74,14 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residu
           const __m512 normed = from_bf16(to_bf16(_mm512_mul_ps(_mm512_loadu_ps(h.data() + c),
                                                                 scale)));
           store_bf16(o + c, _mm512_mul_ps(normed, load_bf16(weight + c)));
+        }
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (!std::is_same_v<T, double>) {
+        const __m256 scale = _mm256_set1_ps(inv);
+        for (; c + 8 <= width; c += 8) {
+          store8(o + c, _mm256_mul_ps(_mm256_loadu_ps(h.data() + c), scale));
+          store8(o + c, _mm256_mul_ps(load8(o + c), load8(weight + c)));  // normed as rounded
         }
       }
 #endif

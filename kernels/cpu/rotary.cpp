@@ -42,6 +42,17 @@ void rotate_rows(T* qk, int64_t qk_stride, const T* v, int64_t v_stride, const A
                                        _mm512_mul_ps(a, _mm512_loadu_ps(s.data() + d + half))));
           }
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if constexpr (!std::is_same_v<T, double>) {  // 8 pairs at a time
+          for (; half % 8 == 0 && d < half; d += 8) {
+            const __m256 a = load8(row + d), b = load8(row + d + half);
+            store8(row + d, _mm256_fmadd_ps(a, _mm256_loadu_ps(c.data() + d),
+                                            _mm256_mul_ps(b, _mm256_loadu_ps(s.data() + d))));
+            store8(row + d + half,
+                   _mm256_fmadd_ps(b, _mm256_loadu_ps(c.data() + d + half),
+                                   _mm256_mul_ps(a, _mm256_loadu_ps(s.data() + d + half))));
+          }
+        }
 #endif
         if (d < half) {
           for (int64_t e = 0; e < dim; ++e) x[e] = static_cast<float>(row[e]);
