@@ -12,7 +12,7 @@ begin with the same blocks, read once for all (cascade) against once per row; wi
 prefill attention of fresh prompts, in GFLOP/s.
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
-       [--repeats 30] [--threads N] [--attention-dtype float32] [--shared KEYS]
+       [--repeats 30] [--threads N] [--attention-dtype float32] [--block-size 16] [--shared KEYS]
        [--prefill 512,2048] [--output result.json]
 
 Where oneDNN has no bf16 path (AVX2-only CPUs) there are no packed weights: that column is nan.
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--attention-layers", type=int, default=12,
                         help="caches the attention calls take in turn (1: the same, warm one)")
     parser.add_argument("--attention-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="decode attention: tokens per KV block (the cache's --block-size)")
     parser.add_argument("--shared", type=int, default=0,
                         help="decode attention: keys every sequence begins with (a shared prompt)")
     parser.add_argument("--prefill", default="",
@@ -229,16 +231,17 @@ def main() -> None:
         seqs, context = (int(v) for v in args.attention.split("x"))
         dtype = getattr(torch, args.attention_dtype)
         # K and V, 3 KV heads of 64; shared blocks counted once
-        keys = seqs * context - (seqs - 1) * (args.shared // 16 * 16)
+        keys = seqs * context - (seqs - 1) * (args.shared // args.block_size * args.block_size)
         kv_bytes = 2 * keys * 3 * 64 * dtype.itemsize
         t = attention_rates(seqs, context, args.repeats, args.attention_layers, dtype,
-                            args.shared)
+                            args.shared, args.block_size)
         attn = {f"{key}_us": s * 1e6 for key, s in t.items()}
         attn.update({f"{key}_gbs": kv_bytes / s / 1e9 for key, s in t.items()})
         print(f"decode attention, {seqs} sequences at context {context} ({kv_bytes / 1e6:.1f} MB "
-              f"of {args.attention_dtype} K/V): C++ {t['cpp'] * 1e6:.0f} us = "
-              f"{attn['cpp_gbs']:.1f} GB/s ({attn['cpp_gbs'] / bandwidth:.0%} of copy "
-              f"bandwidth), reference {t['reference'] * 1e6:.0f} us = "
+              f"of {args.attention_dtype} K/V, blocks of {args.block_size}): "
+              f"C++ {t['cpp'] * 1e6:.0f} us = {attn['cpp_gbs']:.1f} GB/s "
+              f"({attn['cpp_gbs'] / bandwidth:.0%} of copy bandwidth), "
+              f"reference {t['reference'] * 1e6:.0f} us = "
               f"{attn['reference_gbs']:.1f} GB/s; {args.attention_layers} layers' caches in turn")
         if "read_roof" in t:
             print(f"  reading the same rows alone {t['read_roof'] * 1e6:.0f} us = "

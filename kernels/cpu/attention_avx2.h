@@ -71,11 +71,14 @@ void score(const float* q, const T* k_cache, const T* v_cache, const int64_t* of
 }
 
 // acc[h * dim + d0 + d] += sum over t in [t0, t1) of w[h * stride + t] v_t[d0 + d], for H heads
-// and C x 8 dims, the sums in registers over the keys.
+// and C x 8 dims, the sums in registers over the keys. GCC keeps a 2-D array of sums on the
+// stack, stored on every key (12 stores a key: 1.3x slower), unless the loops that load and
+// store it are unrolled whole.
 template <int H, int C, typename T>
 void weigh_dims(const float* w, int64_t stride, const T* v_cache, const int64_t* offsets,
                 int64_t t0, int64_t t1, int64_t dim, int64_t d0, float* acc) {
   __m256 sums[H][C];
+#pragma GCC unroll 4
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < C; ++c) sums[h][c] = _mm256_loadu_ps(acc + h * dim + d0 + 8 * c);
   for (int64_t t = t0; t < t1; ++t) {
@@ -87,6 +90,7 @@ void weigh_dims(const float* w, int64_t stride, const T* v_cache, const int64_t*
       for (int h = 0; h < H; ++h) sums[h][c] = _mm256_fmadd_ps(weight[h], vv, sums[h][c]);
     }
   }
+#pragma GCC unroll 4
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + h * dim + d0 + 8 * c, sums[h][c]);
 }

@@ -62,7 +62,9 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m512 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512 lo[kRows], hi[kRows];
@@ -77,16 +79,20 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
         acc[m][r] = _mm512_fmadd_ps(x1, hi[r], _mm512_fmadd_ps(x0, lo[r], acc[m][r]));
     }
   }
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r)
-      out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
+  #pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 // tile x rows against `rows` W rows dequantized into buf [rows][K], in the same order.
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m512 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[kRows];
@@ -97,9 +103,11 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r)
-      out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
+  #pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 template <typename W>
@@ -147,8 +155,11 @@ inline void accumulate(__m256 (&acc)[tile][kRows], const float* x, int64_t ldx, 
 
 template <int64_t tile, typename T>
 inline void store_sums(__m256 (&acc)[tile][kRows], int64_t rows, T* out, int64_t ldo) {
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
+  #pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
 }
 
 // tile x rows against W rows [n, n + rows), W dequantized 32 columns at a time and used by
@@ -158,7 +169,9 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m256 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     for (int64_t r = 0; r < kRows; ++r) w.prefetch(n + r + kAheadRows, k);
@@ -194,7 +207,9 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m256 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   accumulate(acc, x, K, buf, K, rows, K);
   store_sums(acc, rows, out, ldo);

@@ -36,7 +36,9 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m512 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[kRows];
@@ -49,8 +51,11 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+  #pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // 8 bf16 of a row from k, widened to fp32; lanes past k_end read as 0.
@@ -65,7 +70,9 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m256 acc[tile][kRows];
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
+  #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     // Once a cache line, the rows dequant::kAheadRows ahead (past W's end a hint never
@@ -83,8 +90,11 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
+  #pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * ldo + r] = at::BFloat16(sum8(acc[m][r]));
+  #pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = at::BFloat16(sum8(acc[m][r]));
 }
 #else
 template <int64_t tile>
