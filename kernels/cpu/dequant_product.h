@@ -30,6 +30,9 @@
 namespace dequant {
 
 constexpr int64_t kRows = 4;  // W rows a task takes at once
+// Every loop over a tile's array of sums unrolls whole (#pragma GCC unroll), a row count known
+// at run time tested inside: otherwise GCC keeps the array on the stack and stores every sum on
+// every step of the loop over K.
 // x rows per pass over them: kRows x kTile accumulators, the kRows W vectors and an x vector
 // fit the registers (32 with AVX-512, 16 with AVX2).
 #if defined(__AVX512F__)

@@ -12,7 +12,8 @@
 
 namespace {
 
-// Output features per task: their W vectors stay in registers while x's rows pass over them.
+// Output features per task: their W vectors stay in registers while x's rows pass over them
+// (the sums too: their loops unroll whole, as dequant_product.h says why).
 constexpr int64_t kRows = 4;
 // Bytes ahead of each W row's loads that are prefetched: a decode step streams every weight
 // from memory, and four short interleaved rows a task do not wake the hardware prefetcher
