@@ -65,9 +65,9 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m512 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512 lo[kRows], hi[kRows];
@@ -82,9 +82,9 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
         acc[m][r] = _mm512_fmadd_ps(x1, hi[r], _mm512_fmadd_ps(x0, lo[r], acc[m][r]));
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r)
       if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
 }
@@ -93,9 +93,9 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m512 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[kRows];
@@ -106,9 +106,9 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r)
       if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
 }
@@ -158,9 +158,9 @@ inline void accumulate(__m256 (&acc)[tile][kRows], const float* x, int64_t ldx, 
 
 template <int64_t tile, typename T>
 inline void store_sums(__m256 (&acc)[tile][kRows], int64_t rows, T* out, int64_t ldo) {
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r)
       if (r < rows) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
 }
@@ -172,9 +172,9 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m256 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     for (int64_t r = 0; r < kRows; ++r) w.prefetch(n + r + kAheadRows, k);
@@ -210,9 +210,9 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m256 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   accumulate(acc, x, K, buf, K, rows, K);
   store_sums(acc, rows, out, ldo);

@@ -37,9 +37,9 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m512 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[kRows];
@@ -52,9 +52,9 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r)
       if (r < rows) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
@@ -71,9 +71,9 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m256 acc[tile][kRows];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     // Once a cache line, the rows dequant::kAheadRows ahead (past W's end a hint never
@@ -91,9 +91,9 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int64_t m = 0; m < tile; ++m)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r)
       if (r < rows) out[m * ldo + r] = at::BFloat16(sum8(acc[m][r]));
 }
