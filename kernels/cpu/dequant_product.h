@@ -30,9 +30,6 @@
 namespace dequant {
 
 constexpr int64_t kRows = 4;  // W rows a task takes at once
-// Every loop over a tile's array of sums unrolls whole (#pragma GCC unroll), a row count known
-// at run time tested inside: otherwise GCC keeps the array on the stack and stores every sum on
-// every step of the loop over K.
 // x rows per pass over them: kRows x kTile accumulators, the kRows W vectors and an x vector
 // fit the registers (32 with AVX-512, 16 with AVX2).
 #if defined(__AVX512F__)
@@ -45,6 +42,35 @@ constexpr int64_t kTile = 2;
 // memory at one row (3072 x 576 / 576 x 1536): 77 / 39 us without, 48 / 21 four rows ahead,
 // 40 / 21 sixteen. int4's records are one stream (int4.cpp), which needs none.
 constexpr int64_t kAheadRows = 4 * kRows;
+
+#if defined(__AVX512F__)
+inline float sum_lanes(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum_lanes(__m256 v) { return sum8(v); }
+#endif
+
+// A tile's sums, acc[m][r] for x row m and W row r, set to zero. Here and in store_sums every
+// loop over them unrolls whole: otherwise GCC keeps the array on the stack and stores every sum
+// on every step of the loop over K.
+template <int64_t tile, typename V>
+inline void zero_sums(V (&acc)[tile][kRows]) {
+#pragma GCC unroll 4
+  for (int64_t m = 0; m < tile; ++m)
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = V{};
+}
+
+// out[m * ldo + r] = the sum of acc[m][r]'s lanes, for the first `rows` W rows (tested inside a
+// loop over all kRows, which unrolls whole).
+template <int64_t tile, typename V, typename T>
+inline void store_sums(V (&acc)[tile][kRows], int64_t rows, T* out, int64_t ldo) {
+#pragma GCC unroll 4
+  for (int64_t m = 0; m < tile; ++m)
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r)
+      if (r < rows) out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]));
+}
 
 #if defined(__AVX512F__)
 // w.load<rows> for a row count known at run time (all but a matrix's last task: kRows).
@@ -65,10 +91,7 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m512 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  zero_sums(acc);
   for (int64_t k = 0; k < K; k += 32) {
     __m512 lo[kRows], hi[kRows];
     for (int64_t r = 0; r < kRows; ++r) {
@@ -82,21 +105,14 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
         acc[m][r] = _mm512_fmadd_ps(x1, hi[r], _mm512_fmadd_ps(x0, lo[r], acc[m][r]));
     }
   }
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r)
-      if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
+  store_sums(acc, rows, out, ldo);
 }
 
 // tile x rows against `rows` W rows dequantized into buf [rows][K], in the same order.
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m512 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  zero_sums(acc);
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[kRows];
     for (int64_t r = 0; r < kRows; ++r)
@@ -106,11 +122,7 @@ void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r)
-      if (r < rows) out[m * ldo + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
+  store_sums(acc, rows, out, ldo);
 }
 
 template <typename W>
@@ -156,15 +168,6 @@ inline void accumulate(__m256 (&acc)[tile][kRows], const float* x, int64_t ldx, 
   }
 }
 
-template <int64_t tile, typename T>
-inline void store_sums(__m256 (&acc)[tile][kRows], int64_t rows, T* out, int64_t ldo) {
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r)
-      if (r < rows) out[m * ldo + r] = static_cast<T>(sum8(acc[m][r]));
-}
-
 // tile x rows against W rows [n, n + rows), W dequantized 32 columns at a time and used by
 // every x row at once (a decode step: W's bytes are read once). Each sum runs over k in steps
 // of 8 as accumulate's does, so the bits match the buffer's.
@@ -172,10 +175,7 @@ template <int64_t tile, typename W, typename T>
 void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, T* out,
                 int64_t ldo) {
   __m256 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  zero_sums(acc);
   for (int64_t k = 0; k < K; k += 32) {
     for (int64_t r = 0; r < kRows; ++r) w.prefetch(n + r + kAheadRows, k);
     if constexpr (tile == 1) {
@@ -210,10 +210,7 @@ void dot_direct(const float* x, int64_t K, const W& w, int64_t n, int64_t rows, 
 template <int64_t tile, typename T>
 void dot_block(const float* x, int64_t K, const float* buf, int64_t rows, T* out, int64_t ldo) {
   __m256 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  zero_sums(acc);
   accumulate(acc, x, K, buf, K, rows, K);
   store_sums(acc, rows, out, ldo);
 }

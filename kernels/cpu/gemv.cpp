@@ -13,8 +13,8 @@
 namespace {
 
 // Output features per task: their W vectors stay in registers while x's rows pass over them
-// (the sums too: their loops unroll whole, as dequant_product.h says why).
-constexpr int64_t kRows = 4;
+// (the sums too: dequant::zero_sums and store_sums).
+constexpr int64_t kRows = dequant::kRows;
 // Bytes ahead of each W row's loads that are prefetched: a decode step streams every weight
 // from memory, and four short interleaved rows a task do not wake the hardware prefetcher
 // early enough (a model's worth of 576 x 3072 weights at one row: 1.2x with it, on a par with
@@ -37,10 +37,7 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m512 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  dequant::zero_sums(acc);
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[kRows];
     for (int64_t r = 0; r < kRows; ++r)  // past a row's end this reads ahead into the next
@@ -52,11 +49,7 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r)
-      if (r < rows) out[m * ldo + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+  dequant::store_sums(acc, rows, out, ldo);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // 8 bf16 of a row from k, widened to fp32; lanes past k_end read as 0.
@@ -71,10 +64,7 @@ template <int64_t tile>
 void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw,
                int64_t rows, int64_t K, at::BFloat16* out, int64_t ldo) {
   __m256 acc[tile][kRows];
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  dequant::zero_sums(acc);
   for (int64_t k = 0; k < K; k += 8) {
     // Once a cache line, the rows dequant::kAheadRows ahead (past W's end a hint never
     // faults): on an AVX2-only AMD EPYC, 1.2-1.35x over none for 960-49152 x 576 from memory, where
@@ -91,11 +81,7 @@ void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
       for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-#pragma GCC unroll 4
-  for (int64_t m = 0; m < tile; ++m)
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < kRows; ++r)
-      if (r < rows) out[m * ldo + r] = at::BFloat16(sum8(acc[m][r]));
+  dequant::store_sums(acc, rows, out, ldo);
 }
 #else
 template <int64_t tile>
