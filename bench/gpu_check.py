@@ -189,14 +189,26 @@ def bench_level(url: str, concurrency: int, requests: int) -> dict:
         return json.loads(out.read_text())["results"][0]
 
 
+def compiled_kernels(cache: Path) -> dict[str, str]:
+    """Each kernel variant Triton has compiled into `cache` (a folder each): folder -> name."""
+    return {d.name: next((f.stem for f in d.glob("*.json") if not f.name.startswith("__grp")),
+                         "?")
+            for d in cache.iterdir() if d.is_dir()}
+
+
 def server_benchmark(quick: bool, replicas: int = 1) -> dict:
     """The real server on the GPU (the default model, dtype auto; `replicas` data-parallel
     engines, one GPU each), loaded by `surge bench` at each concurrency level; a level that
-    fails is recorded and the next one still runs."""
+    fails is recorded and the next one still runs. The server's own Triton cache shows any
+    kernel it compiled while serving, which stalled a step: the warm-up should have."""
     args = (*SERVER_ARGS, "--data-parallel-size", str(replicas)) if replicas > 1 else SERVER_ARGS
-    server = ServerProcess(*args, dtype="auto", kv_cache_memory=SERVER_KV_CACHE)
+    cache = tempfile.TemporaryDirectory(prefix="surge-triton-")
+    server = ServerProcess(*args, dtype="auto", kv_cache_memory=SERVER_KV_CACHE,
+                           env={"TRITON_CACHE_DIR": cache.name})
     try:
         server.wait_ready(timeout=180)
+        seen = compiled_kernels(Path(cache.name))
+        print(f"{len(seen)} Triton kernel variants compiled by the start-up", flush=True)
         # The worker's line names the device and dtype; the scheduler's the KV capacity.
         startup = [line for line in server.output().splitlines() if " ready" in line]
         print(*startup, sep="\n", flush=True)
@@ -205,10 +217,14 @@ def server_benchmark(quick: bool, replicas: int = 1) -> dict:
             requests = max(concurrency, 4) if quick else max(2 * concurrency, 16)
             try:
                 levels.append(bench_level(server.url, concurrency, requests))
+                now = compiled_kernels(Path(cache.name))
+                levels[-1]["compiled"] = sorted(now[k] for k in now.keys() - seen.keys())
+                seen = now
             except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as e:
                 levels.append({"concurrency": concurrency, "error": f"{type(e).__name__}: {e}"})
     finally:
         server.stop()
+        cache.cleanup()
     return {"args": [*args, "--kv-cache-memory", SERVER_KV_CACHE], "startup": startup,
             "levels": levels}
 
@@ -219,7 +235,9 @@ def _level_line(level: dict) -> str:
     ttft, tpot = level["ttft_ms"], level["tpot_ms"]
     return (f"{level['concurrency']:>11} {level['requests']:>9} {level['output_tok_s']:>13.1f} "
             f"{ttft['p50']:>9.1f} / {ttft['p95']:>7.1f} {tpot['p50']:>9.1f} / {tpot['p95']:>7.1f} "
-            f"{sum(level['errors'].values()):>7}")
+            f"{sum(level['errors'].values()):>7}"
+            + (f"  compiled while serving: {', '.join(level['compiled'])}"
+               if level.get("compiled") else ""))
 
 
 def print_levels(levels: list[dict]) -> None:
@@ -242,6 +260,9 @@ def failures(report: dict) -> list[str]:
                    f"{level.get('error') or level['errors']}"
                    for level in server.get("levels", [])
                    if "error" in level or level["ok"] < level["requests"]]
+        failed += [f"{where}concurrency {level['concurrency']}: Triton compiled "
+                   f"{', '.join(level['compiled'])} while serving (the warm-up should have)"
+                   for level in server.get("levels", []) if level.get("compiled")]
     return failed + pipeline_failures(report.get("pipeline", {}))
 
 

@@ -67,3 +67,20 @@ def test_server_failures() -> None:
         "server: TimeoutError: x"]
     assert gpu_check.failures({"dp_server": {"levels": levels[1:]}}) == [
         "data parallel, concurrency 16: {'503': 1}"]
+
+
+def test_kernels_compiled_while_serving_fail_the_check(tmp_path: Path) -> None:
+    """Triton's cache folder read as the kernels in it (each variant a folder holding its
+    <name>.json and a __grp__ file); a level during which the server compiled one fails."""
+    for folder, name in (("a1", "_prefill_kernel"), ("b2", "_store_kv_kernel")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{name}.json").write_text("{}")
+        (tmp_path / folder / f"__grp__{name}.json").write_text("{}")
+    (tmp_path / "c3").mkdir()  # a variant still being written: no name yet
+    assert gpu_check.compiled_kernels(tmp_path) == {
+        "a1": "_prefill_kernel", "b2": "_store_kv_kernel", "c3": "?"}
+    levels = [{"concurrency": 16, "requests": 32, "ok": 32, "errors": {},
+               "compiled": ["_prefill_kernel"]},
+              {"concurrency": 64, "requests": 128, "ok": 128, "errors": {}, "compiled": []}]
+    assert gpu_check.failures({"server": {"levels": levels}}) == [
+        "concurrency 16: Triton compiled _prefill_kernel while serving (the warm-up should have)"]
