@@ -91,7 +91,10 @@ def _attend_tile(
     return new_max, row_sum * alpha + tl.sum(p, axis=1), acc
 
 
-@triton.jit
+# Triton compiles a variant for each int argument that is 1 or a multiple of 16; the block
+# table's width and the partition count change from step to step, so a variant found while
+# serving stalls that step by a compile (the warm-up and graph capture see only a few widths).
+@triton.jit(do_not_specialize=["table_stride"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, max_ptr, sum_ptr, acc_ptr,
     scale_log2, window, softcap, q_stride_b, q_stride_h, table_stride, cache_stride_head,
@@ -136,7 +139,7 @@ def _decode_partial_kernel(
     tl.store(acc_ptr + stat[:, None] * d + c[None, :], acc, mask=g_mask[:, None] & (c < d)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _decode_reduce_kernel(
     max_ptr, sum_ptr, acc_ptr, context_lens_ptr, out_ptr, parts, d, PARTITION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -204,11 +207,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DOT_PRECISION=_dot_precision(q.dtype))
     _decode_reduce_kernel[(b, h)](
         maxes, sums, partial_out, context_lens, out, parts, d, PARTITION=PARTITION_SIZE,
-        BLOCK_P=triton.next_power_of_2(parts), BLOCK_D=_head_block(d))
+        BLOCK_P=max(16, triton.next_power_of_2(parts)), BLOCK_D=_head_block(d))
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
     scale_log2, window, softcap, q_stride_t, q_stride_h, table_stride, cache_stride_head,

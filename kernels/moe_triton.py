@@ -48,7 +48,9 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> Sorted:
     return Sorted(pairs[:size], block_expert)
 
 
-@triton.jit
+# The pair count changes with every step's tokens: as an ordinary int argument, Triton would
+# compile a variant when it is 1 or a multiple of 16, stalling the step that first sees it.
+@triton.jit(do_not_specialize=["n_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, pairs_ptr, block_expert_ptr, n_pairs, n, k,
     a_stride, b_stride_e, b_stride_n, c_stride, ROWS_PER_A: tl.constexpr,

@@ -50,17 +50,20 @@ class Staging:
 
     def add(self, values: np.ndarray | list, dtype: torch.dtype = torch.int64,
             shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Pack values (int64, or float32) and return their view in the device buffer; it holds
-        them once send() has been called and the compute stream has waited on it."""
+        """Pack values (int64, or float32) at the next 16-byte boundary and return their view in
+        the device buffer; it holds them once send() has been called and the compute stream has
+        waited on it."""
         floats = dtype == torch.float32
         array = np.asarray(values, dtype=np.float32 if floats else np.int64)
         n = array.size
         words = (n + 1) // 2 if floats else n
+        # Every array starts on an even word (16 bytes): Triton compiles a kernel variant for
+        # each alignment of a pointer, and unaligned offsets would come and go with the batch.
         start, end = self.used, self.used + words
         if end > len(self._words):
             raise StagingOverflow(f"a step's inputs need more than {len(self._words)} staging "
                                   "words: more than begin() was told")
-        self.used = end
+        self.used = end + (end & 1)
         dest = self._words[start:end]
         view = self.dev[self.slot][start:end]
         if floats:

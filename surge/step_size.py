@@ -3,7 +3,8 @@ a step (gpu_workers.model_runner) and by the scheduler while it plans one, so th
 planned that cannot be staged.
 
 The count mirrors what ModelRunner.prepare packs (tests/test_staging.py holds it to the words
-really used): int64 arrays take a word per value, float32 arrays half a word.
+really used): int64 arrays take a word per value, float32 arrays half a word, and each array
+starts on an even word (shm.staging), so each is counted rounded up to an even number.
 """
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ import copy
 from surge.protocol import PREVIOUS_TOKEN, ScheduledSeq, StepPlan
 
 
+def _ints(n: int) -> int:
+    """Words of an array of n int64 values, with its alignment."""
+    return n + (n & 1)
+
+
 def _floats(n: int) -> int:
-    return (n + 1) // 2
+    """Words of an array of n float32 values, with its alignment."""
+    return _ints((n + 1) // 2)
 
 
 class StepSize:
@@ -63,18 +70,21 @@ class StepSize:
     def words(self, sampling: bool = True) -> int:
         """Staging words of the step; sampling: the rank that samples (rank 0) packs the
         sampling parameters too."""
-        words = (3 * self.tokens + 2 * self.patched  # slots, ids, positions; patch indices
-                 + self.decodes * (self.decode_width + 1)  # block tables, context lengths
-                 + self.prefills * (self.prefill_width + 2) + 1  # and query starts
-                 + self.rows)  # logit rows
+        words = (3 * _ints(self.tokens) + 2 * _ints(self.patched)  # slots, ids, positions;
+                 # patch indices; block tables and context lengths of decodes, of prefills
+                 + _ints(self.decodes * self.decode_width) + _ints(self.decodes)
+                 + _ints(self.prefills * self.prefill_width) + _ints(self.prefills)
+                 + _ints(self.prefills + 1)  # query starts
+                 + _ints(self.rows))  # logit rows
         if sampling and self.rows:
             # temperature, top_p and min_p (float32); top_k, seeds, positions (int64)
-            words += 3 * _floats(self.rows) + 3 * self.rows + self.rows * self.drafted
+            words += 3 * _floats(self.rows) + 3 * _ints(self.rows)
+            words += _ints(self.rows) * self.drafted
             if self.bias:
-                words += 2 * self.bias + _floats(self.bias)  # rows, ids; values
+                words += 2 * _ints(self.bias) + _floats(self.bias)  # rows, ids; values
         if self.proposers:  # first row, proposals, context, block table each
             width = max(self.decode_width, self.prefill_width)
-            words += self.proposers * (3 + width)
+            words += 3 * _ints(self.proposers) + _ints(self.proposers * width)
         return words
 
 
