@@ -89,10 +89,15 @@ def expert_names(num_experts: int, tp: TensorParallel) -> list[str]:
                                   for p in ("gate", "up", "down")]
 
 
-def take_expert_load(model: nn.Module) -> list[int] | None:
-    """Tokens routed to each expert, summed over the MoE layers, since the last call (which
+def expert_loads(model: nn.Module) -> list[torch.Tensor]:
+    """Each MoE layer's tokens routed to each expert (zeroed in place by take_expert_load), found
+    once: a walk of SmolLM2's 213 modules takes 180 µs, ~3% of its 64-stream step on an H200."""
+    return [m.load for m in model.modules() if isinstance(m, MoE)]
+
+
+def take_expert_load(loads: list[torch.Tensor]) -> list[int] | None:
+    """Tokens routed to each expert, summed over the layers' loads, since the last call (which
     zeroes the counts); None for a model without experts."""
-    loads = [m.load for m in model.modules() if isinstance(m, MoE)]
     if not loads:
         return None
     total = torch.stack(loads).sum(0).tolist()

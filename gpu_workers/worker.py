@@ -24,7 +24,7 @@ from gpu_workers.kernel_linear import keeps_packed_copy, route_linears
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import Launched, ModelRunner, kv_block_bytes
-from gpu_workers.moe import take_expert_load
+from gpu_workers.moe import expert_loads, take_expert_load
 from gpu_workers.packed import PackedLinear, can_pack, fix_row_counts, pack_model
 from gpu_workers.parallel import init_groups
 from gpu_workers.pipeline import describe_split, stage_layers
@@ -102,6 +102,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         pending: tuple[Launched, float, float] | None = None  # launched, started, idle before
         busy = metrics.worker_busy.labels(str(rank))
         idle = metrics.worker_idle.labels(str(rank))
+        # Each stage's rank 0 counts its own layers' routing.
+        loads = expert_loads(runner.model) if runner.model.tp.rank == 0 else []
 
         def finish() -> None:
             nonlocal pending, idle_since
@@ -116,8 +118,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
             idle.inc(wait_s + blocked)
             if device.type == "cuda":
                 metrics.device_memory.labels(str(rank)).set(torch.cuda.memory_allocated(device))
-            if runner.model.tp.rank == 0:
-                _count_expert_load(runner.model)  # each stage's rank 0 counts its own layers
+            if loads:
+                _count_expert_load(loads)
             if runner.samples:
                 result.compute_s = now - started
                 result.forward_s, result.wait_s = runner.forward_s, wait_s
@@ -219,7 +221,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                          matchers=Matchers(runtime_dir, model.cfg.vocab_size)
                          if tp.rank == 0 and stage.last else None)
     runner.warm_up()
-    take_expert_load(model)  # the warm-up's routing is nobody's load
+    take_expert_load(expert_loads(model))  # the warm-up's routing is nobody's load
     for expert in range(model.cfg.num_experts if tp.rank == 0 else 0):
         metrics.moe_expert_tokens.labels(str(expert))  # every expert's series from the start
     split = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
@@ -249,9 +251,9 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                                description=description, kernels=str(ops), window=window)
 
 
-def _count_expert_load(model: LlamaModel) -> None:
+def _count_expert_load(loads: list[torch.Tensor]) -> None:
     """The tokens each expert was routed since the last step, into surge_moe_expert_tokens."""
-    for expert, tokens in enumerate(take_expert_load(model) or ()):
+    for expert, tokens in enumerate(take_expert_load(loads) or ()):
         if tokens:
             metrics.moe_expert_tokens.labels(str(expert)).inc(tokens)
 
