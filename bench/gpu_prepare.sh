@@ -8,7 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 make --no-print-directory .venv/.surge-installed
 mkdir -p .gpu/whl
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 # The versions this .venv holds; the image already has torch, Triton, aiohttp, transformers...
 wheels=()
 for name in pyzmq msgspec setproctitle gguf llguidance redis; do
