@@ -247,3 +247,56 @@ def triton_model_matches_reference(cfg: LlamaConfig) -> LlamaModel:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_cache, want_cache, rtol=1e-4, atol=1e-4)
     return model
+
+
+def _variant_of(fn: object, kwargs: dict) -> Callable:
+    """Triton's own binder for fn with the decorator's options (do_not_specialize...): the
+    argument specialization a compiled kernel is keyed by, read on the CPU."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = JITFunction(fn, **kwargs)
+    return create_function_from_signature(jit.signature, jit.params, BaseBackend)
+
+
+@torch.inference_mode()
+def test_serving_compiles_no_kernel_the_warm_up_did_not(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path) -> None:
+    """Triton compiles a kernel again for each alignment of a pointer argument and each int
+    argument that is 1 or a multiple of 16; while serving, each such compile stalls a step (the
+    H200 check saw 8 in its first two levels). Real steps of ragged, mixed batches whose
+    tables grow through widths 1 and 16 and whose decode spans 1 to 6 partitions launch each
+    kernel with a specialization the start-up's warm-up already launched."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from gpu_workers.loader import load_model
+    from surge.model_files import resolve_model
+    from tests.inprocess import InProcessEngine
+    from tests.tiny_model import save_tiny_llama
+
+    save_tiny_llama(str(tmp_path), heads=4, kv_heads=2, vocab=256)
+    model = load_model(resolve_model(str(tmp_path)), DEVICE, torch.float32)
+    model.ops = kernels.for_device(DEVICE, "triton")
+    monkeypatch.setattr(attention_triton, "PARTITION_SIZE", 16)
+    binders: dict[object, Callable] = {}
+    variants: dict[str, set] = {}
+    run = InterpretedFunction.run
+
+    def recorded(self: InterpretedFunction, *args: object, grid: object, warmup: bool,
+                 **kwargs: object) -> object:
+        bind = binders.setdefault(self.fn, _variant_of(self.fn, self.kwargs))
+        key = tuple(bind(*args, **kwargs)[1])
+        variants.setdefault(self.fn.__name__, set()).add(key)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    engine = InProcessEngine(model, num_blocks=128, block_size=4, max_num_batched_tokens=24)
+    engine.runner.warm_up()
+    warmed = {name: set(keys) for name, keys in variants.items()}
+    assert {"_store_kv_kernel", "_decode_partial_kernel", "_decode_reduce_kernel",
+            "_prefill_kernel", "_rotary_kernel", "_rms_norm_kernel"} <= warmed.keys()
+    for i, n in enumerate((3, 17, 40, 9, 64)):
+        engine.add(f"p{i}", [(5 * i + j) % 250 + 1 for j in range(n)], 8 + 4 * i)
+    engine.run()
+    assert {name: keys - warmed.get(name, set()) for name, keys in variants.items()} == \
+        dict.fromkeys(variants, set())
