@@ -142,23 +142,29 @@ def _decode_partial_kernel(
 @triton.jit(do_not_specialize=["parts"])
 def _decode_reduce_kernel(
     max_ptr, sum_ptr, acc_ptr, context_lens_ptr, out_ptr, parts, d, PARTITION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Grid (B, H): program (b, h) merges the partitions of query head h of sequence b that
-    hold any of its context, weighting each by its max against the overall one."""
+    hold any of its context, one at a time, rescaling the running sums to the largest max so
+    far (no block of partitions whose size would make a kernel variant per context length)."""
     b = tl.program_id(0).to(tl.int64)
     row = b * tl.num_programs(1) + tl.program_id(1)
     used = tl.cdiv(tl.load(context_lens_ptr + b), PARTITION)
-    p = tl.arange(0, BLOCK_P)
-    maxes = tl.load(max_ptr + row * parts + p, mask=p < used, other=float("-inf"))
-    sums = tl.load(sum_ptr + row * parts + p, mask=p < used, other=0.0)
-    top = tl.max(maxes, axis=0)
-    total = tl.sum(tl.exp2(maxes - top) * sums, axis=0)
     c = tl.arange(0, BLOCK_D)
+    top = float("-inf")
+    total = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for i in range(used):
-        weight = tl.exp2(tl.load(max_ptr + row * parts + i) - top)
-        acc += weight * tl.load(acc_ptr + (row * parts + i) * d + c, mask=c < d, other=0.0)
+        part_max = tl.load(max_ptr + row * parts + i)
+        new_top = tl.maximum(top, part_max)
+        # A partition wholly before a sliding window has no key (max -inf, sum 0): weighed
+        # from 0 until a finite max comes, as -inf minus -inf would be NaN.
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        kept, weight = tl.exp2(top - base), tl.exp2(part_max - base)
+        total = total * kept + weight * tl.load(sum_ptr + row * parts + i)
+        acc = acc * kept + weight * tl.load(acc_ptr + (row * parts + i) * d + c, mask=c < d,
+                                            other=0.0)
+        top = new_top
     tl.store(out_ptr + row * d + c, (acc / total).to(out_ptr.dtype.element_ty), mask=c < d)
 
 
@@ -207,7 +213,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DOT_PRECISION=_dot_precision(q.dtype))
     _decode_reduce_kernel[(b, h)](
         maxes, sums, partial_out, context_lens, out, parts, d, PARTITION=PARTITION_SIZE,
-        BLOCK_P=max(16, triton.next_power_of_2(parts)), BLOCK_D=_head_block(d))
+        BLOCK_D=_head_block(d))
     return out
 
 
