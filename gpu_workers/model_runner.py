@@ -142,10 +142,12 @@ class ModelRunner:
         # on CUDA only the launches, as nothing waits for the device here.
         self.forward_s = 0.0
 
-    def warm_up(self) -> None:
-        """A prefill and a decode step on throwaway blocks, so the first real request does not
-        pay for first-call allocations and kernel selection."""
-        n = min(2 * self.block_size, self.kv_cache.shape[3] * self.block_size - 1)
+    def warm_up(self, tokens: int = 0) -> None:
+        """A prefill of `tokens` (two blocks at least) and a decode step on throwaway blocks, so
+        the first real request does not pay for first-call allocations and kernel selection: a
+        step's whole token budget also compiles the Triton kernels whose variant follows the
+        batch's size (the MoE row blocks)."""
+        n = min(max(tokens, 2 * self.block_size), self.kv_cache.shape[3] * self.block_size - 1)
         table = list(range(-(-(n + 1) // self.block_size)))
         params = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9)
         tokens = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]

@@ -220,7 +220,9 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                          fixed_order=cfg.model.deterministic,
                          matchers=Matchers(runtime_dir, model.cfg.vocab_size)
                          if tp.rank == 0 and stage.last else None)
-    runner.warm_up()
+    # On the CPU no kernel is compiled per size, and a full budget's prefill would add a
+    # fraction of a second to every start.
+    runner.warm_up(cfg.scheduler.max_num_batched_tokens if cuda else 0)
     take_expert_load(expert_loads(model))  # the warm-up's routing is nobody's load
     for expert in range(model.cfg.num_experts if tp.rank == 0 else 0):
         metrics.moe_expert_tokens.labels(str(expert))  # every expert's series from the start

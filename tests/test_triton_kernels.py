@@ -260,21 +260,27 @@ def _variant_of(fn: object, kwargs: dict) -> Callable:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_serving_compiles_no_kernel_the_warm_up_did_not(monkeypatch: pytest.MonkeyPatch,
-                                                        tmp_path) -> None:
+                                                        tmp_path, family: str) -> None:
     """Triton compiles a kernel again for each alignment of a pointer argument and each int
     argument that is 1 or a multiple of 16; while serving, each such compile stalls a step (the
     H200 check saw 8 in its first two levels). Real steps of ragged, mixed batches whose
     tables grow through widths 1 and 16 and whose decode spans 1 to 6 partitions launch each
-    kernel with a specialization the start-up's warm-up already launched."""
+    kernel with a specialization the start-up's warm-up already launched; with experts, steps
+    of few and of many routed pairs (the grouped product's two row-block sizes)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from gpu_workers.loader import load_model
     from surge.model_files import resolve_model
     from tests.inprocess import InProcessEngine
+    from tests.tiny_families import save_tiny
     from tests.tiny_model import save_tiny_llama
 
-    save_tiny_llama(str(tmp_path), heads=4, kv_heads=2, vocab=256)
+    if family == "llama":
+        save_tiny_llama(str(tmp_path), heads=4, kv_heads=2, vocab=256)
+    else:  # 4 experts, 2 a token: past 32 tokens a step takes the larger row blocks
+        save_tiny(str(tmp_path), family)
     model = load_model(resolve_model(str(tmp_path)), DEVICE, torch.float32)
     model.ops = kernels.for_device(DEVICE, "triton")
     monkeypatch.setattr(attention_triton, "PARTITION_SIZE", 16)
@@ -290,11 +296,15 @@ def test_serving_compiles_no_kernel_the_warm_up_did_not(monkeypatch: pytest.Monk
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recorded)
-    engine = InProcessEngine(model, num_blocks=128, block_size=4, max_num_batched_tokens=24)
-    engine.runner.warm_up()
+    budget = 48
+    engine = InProcessEngine(model, num_blocks=128, block_size=4,
+                             max_num_batched_tokens=budget)
+    engine.runner.warm_up(budget)  # as the worker does on CUDA
     warmed = {name: set(keys) for name, keys in variants.items()}
     assert {"_store_kv_kernel", "_decode_partial_kernel", "_decode_reduce_kernel",
             "_prefill_kernel", "_rotary_kernel", "_rms_norm_kernel"} <= warmed.keys()
+    if family == "mixtral":
+        assert len(warmed["_grouped_gemm_kernel"]) == 4  # both products, both row blocks
     for i, n in enumerate((3, 17, 40, 9, 64)):
         engine.add(f"p{i}", [(5 * i + j) % 250 + 1 for j in range(n)], 8 + 4 * i)
     engine.run()
