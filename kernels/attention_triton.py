@@ -92,8 +92,9 @@ def _attend_tile(
 
 
 # Triton compiles a variant for each int argument that is 1 or a multiple of 16; the block
-# table's width and the partition count change from step to step, so a variant found while
-# serving stalls that step by a compile (the warm-up and graph capture see only a few widths).
+# table's width (here and in the prefill kernel) and the partition count (the reduction) change
+# from step to step, and a variant first met while serving stalls that step by a compile (the
+# warm-up and graph capture see only a few widths).
 @triton.jit(do_not_specialize=["table_stride"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, max_ptr, sum_ptr, acc_ptr,

@@ -57,12 +57,12 @@ class Staging:
         array = np.asarray(values, dtype=np.float32 if floats else np.int64)
         n = array.size
         words = (n + 1) // 2 if floats else n
-        # Every array starts on an even word (16 bytes): Triton compiles a kernel variant for
-        # each alignment of a pointer, and unaligned offsets would come and go with the batch.
         start, end = self.used, self.used + words
         if end > len(self._words):
             raise StagingOverflow(f"a step's inputs need more than {len(self._words)} staging "
                                   "words: more than begin() was told")
+        # The next array starts on an even word (16 bytes): Triton compiles a kernel variant
+        # for each alignment of a pointer, and unaligned offsets would come and go with the batch.
         self.used = end + (end & 1)
         dest = self._words[start:end]
         view = self.dev[self.slot][start:end]
