@@ -6,7 +6,8 @@ finish within 8 minutes).
 3. Each Triton kernel against its PyTorch reference (the same name in kernels/) on
    Llama-8B-like shapes in bf16 and fp16: max abs error, median times (CUDA events, L2 flushed),
    achieved bandwidth = bytes it must read and write / time, as a fraction of the copy's.
-4. `surge bench` (128 in / 128 out) against the real server at concurrency 1, 16, 64, 256.
+4. `surge bench` (128 in / 128 out) against the real server at concurrency 1, 16, 64, 256;
+   a Triton kernel the server compiled during a level fails the check (it stalled a step).
 5. With two or more GPUs visible: the same at concurrency 64 and 256 with one data-parallel
    replica per GPU (--data-parallel-size), against step 4's single GPU.
 6. With several GPUs, pipeline parallelism (bench/gpu_pipeline.py): PP=2 (and with 4 GPUs PP=4
