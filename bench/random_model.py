@@ -14,11 +14,15 @@ import torch
 
 
 def export(gguf_path: str, folder: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
+
+    from server.tokenizer import Tokenizer
+    from surge.model_files import resolve_model
 
     where, name = os.path.split(os.path.abspath(gguf_path))
     AutoConfig.from_pretrained(where, gguf_file=name).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
+    # The tokenizer surge serves the file with (its conversion, cached across starts).
+    Tokenizer(resolve_model(gguf_path)).hf.save_pretrained(folder)
 
 
 def fill(folder: str, seed: int = 0) -> None:

@@ -150,8 +150,8 @@ class ModelRunner:
         n = min(max(tokens, 2 * self.block_size), self.kv_cache.shape[3] * self.block_size - 1)
         table = list(range(-(-(n + 1) // self.block_size)))
         params = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9)
-        tokens = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
-        prefill = ScheduledSeq(0, tokens, 0, table, True, params, 0)
+        ids = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
+        prefill = ScheduledSeq(0, ids, 0, table, True, params, 0)
         self.local = True
         self.run(StepPlan(-2, [prefill]))
         # A stage of a pipeline does not see the tokens the last one samples.
