@@ -57,10 +57,12 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return extension().int4_linear(x, weights)
 
 
-def rounds_activations() -> bool:
-    """Whether int4_linear and int8_linear sum in integers, x rounded to 16 bits a block of 32
-    columns (AVX2 builds without AVX-512: kernels/cpu/integer_product.h says why)."""
-    return extension().rounds_activations()
+def rounds_activations(rows: int) -> bool:
+    """Whether int4_linear and int8_linear sum in integers for a call of `rows` rows of x, x
+    rounded to 16 bits a block of 32 columns (kernels/cpu/integer_product.h: AVX2 builds
+    without AVX-512 at every row count, AVX-512 VNNI builds between the decode tile and
+    widen_rows)."""
+    return extension().rounds_activations(rows)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -538,12 +538,13 @@ def test_q4_packing_round_trips():
     assert torch.equal(matmul_ref.unpack_q4(packed), q.to(torch.uint8))
 
 
-def _as_read(x: torch.Tensor) -> torch.Tensor:
-    """x (float64) as the int4 and int8 products read it. Where they sum in integers
-    (matmul_cpu.rounds_activations()), each block of 32 columns is rounded (to nearest even)
-    to multiples of a power-of-two step that puts its largest |x| in [2^14, 2^15) steps."""
+def _as_read(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """x (float64) as the int4 and int8 products read it in a call of `rows` rows (x's own by
+    default). Where they sum in integers (matmul_cpu.rounds_activations(rows)), each block of
+    32 columns is rounded (to nearest even) to multiples of a power-of-two step that puts its
+    largest |x| in [2^14, 2^15) steps."""
     x = x.double()
-    if not matmul_cpu.rounds_activations():
+    if not matmul_cpu.rounds_activations(rows or x.shape[0]):
         return x
     blocks = x.view(x.shape[0], -1, 32)
     largest = blocks.abs().amax(dim=2, keepdim=True)
@@ -642,24 +643,32 @@ def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
-    """Up to 2 rows (a decode step) W is read into registers, more rows go through a buffer;
-    within each a row's bits do not depend on the other rows, up to widen_rows rows. Across
-    them too where both sum in fp32; where the decode rows sum in integers
-    (rounds_activations), the two agree to fp32 rounding, as both read x rounded alike."""
+    """Up to 2 rows (a decode step) W is read into registers, from 5 rows on it goes through a
+    buffer (AVX2: fp32 tiles; AVX-512 VNNI: integer sums with a W row a lane); within each a
+    row's bits do not depend on the other rows, up to widen_rows rows. Across them too where
+    both read x alike (rounds_activations) and sum in fp32; where one sums in integers, the two
+    agree to fp32 rounding if both read x rounded, else to what x's rounding moves."""
     torch.manual_seed(0)
-    weights, product, _ = _low_bit(quantization, 37, 3 * 64)
-    x = torch.randn(11, 3 * 64)
+    weights, product, w = _low_bit(quantization, 37, 3 * 64)
+    x = torch.randn(19, 3 * 64)
     for dtype in (torch.bfloat16, torch.float32):
         batch = product(x.to(dtype), *weights)
-        for rows in (slice(3, 6), slice(7, 10), slice(7, 11)):
+        for rows in (slice(3, 8), slice(7, 13), slice(5, 14), slice(2, 19)):
             assert torch.equal(product(x[rows].to(dtype), *weights), batch[rows])
         pair = product(x[:2].to(dtype), *weights)
         for row in range(2):
             assert torch.equal(product(x[row:row + 1].to(dtype), *weights), pair[row:row + 1])
-        if not matmul_cpu.rounds_activations():
+        if dtype != torch.float32:
+            continue
+        rounds = matmul_cpu.rounds_activations(2), matmul_cpu.rounds_activations(19)
+        if rounds == (False, False):
             assert torch.equal(pair, batch[:2])
-        elif dtype == torch.float32:
+        elif rounds == (True, True):
             torch.testing.assert_close(pair, batch[:2], rtol=1e-5, atol=1e-5)
+        else:
+            moved = (_as_read(x[:2], 19) - x[:2].double()).abs() @ w.abs().T
+            assert ((pair.double() - batch[:2].double()).abs()
+                    <= moved + 1e-5 * (1 + batch[:2].double().abs())).all()
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
@@ -677,7 +686,7 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
     got = product(x, *weights)
     assert not got[: min(rows, 2)].isfinite().any()
     if rows > 2:
-        exact = _as_read(x[2:]) @ w.T
+        exact = _as_read(x[2:], rows) @ w.T
         bound = 1e-6 * (x[2:].double().abs() @ w.abs().T) + 1e-30
         assert ((got[2:].double() - exact).abs() <= bound).all()
 

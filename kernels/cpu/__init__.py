@@ -34,8 +34,11 @@ def extension() -> ModuleType | None:
             name="surge_cpu_kernels", sources=[str(here / s) for s in _SOURCES],
             build_directory=str(build_dir()),
             # -march=native: the build is per machine, so it uses what this CPU has (AVX-512,
-            # AVX2, ...) without a dispatch table of our own.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            # AVX2, ...) without a dispatch table of our own. SURGE_KERNEL_MARCH (with a
+            # SURGE_KERNEL_BUILD_DIR of its own) builds another CPU's paths to test them here,
+            # e.g. haswell: AVX2 without AVX-512.
+            extra_cflags=["-O3", f"-march={os.environ.get('SURGE_KERNEL_MARCH', 'native')}",
+                          "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except (OSError, RuntimeError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_pack", &int4_pack, "Q4_1 nibbles, scales and mins in int4_linear's layout");
   m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums");
   m.def("rounds_activations", &rounds_activations,
-        "whether int4_linear and int8_linear round x to 16 bits a block (integer sums)");
+        "whether int4_linear and int8_linear round x to 16 bits a block (integer sums) at these rows");
   m.def("int8_pack", &int8_pack, "int8 values and scales a row or a block in int8_linear's layout");
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums");
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");

@@ -28,6 +28,22 @@ struct Int4W {
     return blob + layout.offset(n, rows, k);
   }
   void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
+
+  // integer_product.h's interface: the nibbles as they are, the steps and minimums beside.
+  static constexpr bool kMins = true;
+  const float* steps(int64_t n, int64_t rows, int64_t k) const {
+    return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock / 2);
+  }
+  const float* mins(int64_t n, int64_t rows, int64_t k) const { return steps(n, rows, k) + rows; }
+#if defined(__AVX512BW__)
+  __m512i widen32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(record(n, rows, k) + r * kBlock / 2)));
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
+        _mm256_srli_epi16(bytes, 4), 1);
+  }
+#endif
 #if defined(__AVX512F__)
   template <int64_t rows>
   void load(int64_t n, int64_t k, __m512* lo, __m512* hi) const {
@@ -60,8 +76,6 @@ struct Int4W {
     }
   }
 
-  // integer_product.h's interface: the nibbles as they are, the steps and minimums beside.
-  static constexpr bool kMins = true;
   void widen16(int64_t n, int64_t rows, int64_t r, int64_t k, __m256i (&w)[2]) const {
     // Widened to 16 bits first: the high nibble is then a shift, the low one a mask.
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
@@ -69,10 +83,6 @@ struct Int4W {
     w[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
     w[1] = _mm256_srli_epi16(bytes, 4);
   }
-  const float* steps(int64_t n, int64_t rows, int64_t k) const {
-    return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock / 2);
-  }
-  const float* mins(int64_t n, int64_t rows, int64_t k) const { return steps(n, rows, k) + rows; }
 #else
   void load(int64_t n, int64_t rows, int64_t r, int64_t k, float* out) const {
     const uint8_t* rec = record(n, rows, k);
@@ -102,4 +112,4 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob) {
   return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0));
 }
 
-bool rounds_activations() { return integer::kRoundsX; }
+bool rounds_activations(int64_t rows) { return integer::rounds_x(rows); }

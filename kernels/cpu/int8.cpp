@@ -26,6 +26,16 @@ struct Int8W {
     return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock);
   }
   void prefetch(int64_t, int64_t) const {}  // one stream: the hardware prefetcher follows it
+
+  // integer_product.h's interface: the values as they are, the scales beside.
+  static constexpr bool kMins = false;
+  const float* steps(int64_t n, int64_t rows, int64_t k) const { return scales(n, rows, k); }
+#if defined(__AVX512BW__)
+  __m512i widen32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
+    return _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record(n, rows, k) + r * kBlock)));
+  }
+#endif
 #if defined(__AVX512F__)
   template <int64_t rows>
   void load(int64_t n, int64_t k, __m512* lo, __m512* hi) const {
@@ -49,14 +59,11 @@ struct Int8W {
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * e)))), scale);
   }
 
-  // integer_product.h's interface: the values as they are, the scales beside.
-  static constexpr bool kMins = false;
   void widen16(int64_t n, int64_t rows, int64_t r, int64_t k, __m256i (&w)[2]) const {
     const int8_t* p = record(n, rows, k) + r * kBlock;
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   }
-  const float* steps(int64_t n, int64_t rows, int64_t k) const { return scales(n, rows, k); }
 #else
   void load(int64_t n, int64_t rows, int64_t r, int64_t k, float* out) const {
     const int8_t* p = record(n, rows, k) + r * kBlock;

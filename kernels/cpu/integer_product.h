@@ -1,17 +1,26 @@
-// The int4 and int8 products of a decode step (up to dequant::kTile rows of x) on CPUs with AVX2
-// but no AVX-512: x rounded to 16-bit integers per block of 32 columns, and each block's sum of
-// W's integers times x's taken exactly in int32 (vpmaddwd), then scaled into an fp32 sum once a
-// block. Widening every weight to fp32 first (dequant_product.h) cost more than the bytes it
-// saved: the one-row int4 product was compute-bound at ~3x its weights' memory time.
+// The int4 and int8 products summed in integers: x rounded to 16-bit integers per block of 32
+// columns, and each block's sum of W's integers times x's taken exactly in int32, then scaled
+// into an fp32 sum once a block. Two builds:
+// - AVX2 without AVX-512, a decode step (up to dequant::kTile rows of x, vpmaddwd): widening
+//   every weight to fp32 first (dequant_product.h) cost more than the bytes it saved, the
+//   one-row int4 product being compute-bound at ~3x its weights' memory time;
+// - AVX-512 with VNNI, past a decode step (kTile < rows <= kWidenRows: batched decode and short
+//   prefill chunks, vpdpwssd): one int32 lane a W row, so that a block's scaling is one vector
+//   operation for 16 rows, where dequant_product.h's fp32 tiles ran at a quarter of oneDNN's bf16
+//   product at 64 rows. Up to kTile rows AVX-512 keeps the fp32 product, which is bound by
+//   W's bytes there.
 //
 // Why 16 bits, where llama.cpp rounds x to 8: the step is a power of two that puts the block's
 // largest |x| in [2^14, 2^15) steps, so a bf16 activation within 2^7 of it (8 significant
 // bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int4 path keeps
 // what the activations carry, as the fp32 path did, rather than a precision loss of its own.
+// Both builds round alike and scale a block's sum alike, so they give a row the same bits.
 //
 // A format adds, for these builds,
 //   kMins                       whether W has a minimum per block (int4) or not (int8),
-//   widen16(n, rows, r, k, w)   W[n + r, k:k+16] and W[n + r, k+16:k+32] as int16 in w[0], w[1],
+//   widen16(n, rows, r, k, w)   W[n + r, k:k+16] and W[n + r, k+16:k+32] as int16 in w[0], w[1]
+//                               (AVX2),
+//   widen32(n, rows, r, k)      W[n + r, k:k+32] as 32 int16 in one vector (AVX-512),
 //   steps(n, rows, k)           the rows' scales at columns [k, k + 32), `rows` floats,
 //   mins(n, rows, k)            and their minimums (kMins formats).
 #pragma once
@@ -19,7 +28,19 @@
 #include "dequant_product.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SURGE_INTEGER_AVX2 1
+#else
+#define SURGE_INTEGER_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SURGE_INTEGER_VNNI 1
+#else
+#define SURGE_INTEGER_VNNI 0
+#endif
+
+#if SURGE_INTEGER_AVX2 || SURGE_INTEGER_VNNI
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace integer {
@@ -27,40 +48,71 @@ namespace integer {
 using dequant::kRows;
 constexpr int64_t kBlock = 32;
 
-// A block of 32 x values' step (a power of two, see above), or 0 for a block of zeros, or NaN
-// for one holding a NaN or an infinity (which max_ps can drop, but a sum keeps): that row's
-// sums then come out NaN, as fp32 sums would.
-inline float block_step(const __m256 (&v)[4]) {
+// A block's step from its largest |x| (a power of two, see above), or 0 for a block of zeros,
+// or NaN for one whose sum is not finite (a NaN or an infinity, which max can drop, but a sum
+// keeps): that row's sums then come out NaN, as fp32 sums would.
+inline float step_of(float largest, float sum) {
+  if (!std::isfinite(sum)) return std::numeric_limits<float>::quiet_NaN();
+  if (!(largest > 0.0f)) return 0.0f;
+  // -126: the inverse stays a normal float for blocks of denormals.
+  return std::ldexp(1.0f, std::max(std::ilogb(largest) - 14, -126));
+}
+
+#if SURGE_INTEGER_AVX2
+// The block of 32 x values at p as integers q, x ~ q * step: x / step rounded to the nearest
+// integer (even on ties), in int16's range (the one value that can reach 2^15 saturates), and
+// their sum in total; returns the step. A block of zeros (or non-finite values) gives zeros.
+inline float round_block(const float* p, int16_t* q, int32_t& total) {
+  __m256 v[4];
+  for (int e = 0; e < 4; ++e) v[e] = _mm256_loadu_ps(p + 8 * e);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 top = _mm256_max_ps(
       _mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
       _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
-  const float largest = *std::max_element(lanes, lanes + 8);
-  if (!std::isfinite(sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])))))
-    return std::numeric_limits<float>::quiet_NaN();
-  if (!(largest > 0.0f)) return 0.0f;
-  // -126: the inverse stays a normal float for blocks of denormals.
-  return std::ldexp(1.0f, std::max(std::ilogb(largest) - 14, -126));
-}
-
-// The block of 32 x values at p as integers q (in fp32) and its step, x ~ q * step: x / step
-// rounded to the nearest integer (even on ties), in int16's range (the one value that can
-// reach 2^15 saturates). A block of zeros (or non-finite values) gives zeros.
-inline float round_block(const float* p, __m256 (&q)[4]) {
-  __m256 v[4];
-  for (int e = 0; e < 4; ++e) v[e] = _mm256_loadu_ps(p + 8 * e);
-  const float step = block_step(v);
+  const float step = step_of(
+      *std::max_element(lanes, lanes + 8),
+      sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]))));
   const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);  // exact
-  for (int e = 0; e < 4; ++e)
-    q[e] = _mm256_min_ps(
-        _mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(v[e], inverse),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                      _mm256_set1_ps(-32768.0f)),
-        _mm256_set1_ps(32767.0f));
+  __m256i sums = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    __m256i half[2];
+    for (int e = 0; e < 2; ++e)
+      half[e] = _mm256_cvtps_epi32(_mm256_min_ps(
+          _mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(v[2 * h + e], inverse),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                        _mm256_set1_ps(-32768.0f)),
+          _mm256_set1_ps(32767.0f)));
+    const __m256i packed =
+        _mm256_permute4x64_epi64(_mm256_packs_epi32(half[0], half[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h), packed);
+    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(packed, _mm256_set1_epi16(1)));
+  }
+  total = static_cast<int32_t>(sum8(_mm256_cvtepi32_ps(sums)));  // exact: under 2^20
   return step;
 }
+#else
+inline float round_block(const float* p, int16_t* q, int32_t& total) {
+  const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+  const float step =
+      step_of(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))),
+              _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)));
+  const __m512 inverse = _mm512_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);  // exact
+  auto integers = [&](__m512 v) {
+    return _mm512_cvtps_epi32(_mm512_min_ps(
+        _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, inverse),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                      _mm512_set1_ps(-32768.0f)),
+        _mm512_set1_ps(32767.0f)));
+  };
+  const __m512i q0 = integers(v0), q1 = integers(v1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(q0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(q1));
+  total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return step;
+}
+#endif
 
 // x [M, K] per block of 32 columns as q * step (round_block), and the block's sum
 // of those values (exact in fp32: step times a sum of q under 2^20) for the minimums' term.
@@ -71,32 +123,27 @@ struct RoundedX {
 
   RoundedX(const float* x, int64_t M, int64_t K)
       : q(M * K), step(M * K / kBlock), sum(M * K / kBlock), K(K), blocks(K / kBlock) {
-    for (int64_t i = 0; i < M * blocks; ++i) {
-      __m256 rounded[4];
-      step[i] = round_block(x + i * kBlock, rounded);
-      __m256i total = _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h) {
-        const __m256i packed = _mm256_permute4x64_epi64(
-            _mm256_packs_epi32(_mm256_cvtps_epi32(rounded[2 * h]),
-                               _mm256_cvtps_epi32(rounded[2 * h + 1])), 0xD8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + i * kBlock + 16 * h), packed);
-        total = _mm256_add_epi32(total, _mm256_madd_epi16(packed, _mm256_set1_epi16(1)));
+    at::parallel_for(0, M * blocks, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        int32_t total;
+        step[i] = round_block(x + i * kBlock, q.data() + i * kBlock, total);
+        sum[i] = step[i] * static_cast<float>(total);
       }
-      sum[i] = step[i] * sum8(_mm256_cvtepi32_ps(total));
-    }
+    });
   }
 };
 
+#if SURGE_INTEGER_AVX2
 // x [M, K] as RoundedX reads it, q * step in fp32 (exact), for the fp32 products past kTile rows.
 inline at::Tensor rounded(const float* x, int64_t M, int64_t K) {
   auto out = at::empty({M, K}, at::kFloat);
   float* p = out.data_ptr<float>();
   at::parallel_for(0, M * K / kBlock, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      __m256 q[4];
-      const float step = round_block(x + i * kBlock, q);
-      for (int e = 0; e < 4; ++e)
-        _mm256_storeu_ps(p + i * kBlock + 8 * e, _mm256_mul_ps(q[e], _mm256_set1_ps(step)));
+      int16_t q[kBlock];
+      int32_t total;
+      const float step = round_block(x + i * kBlock, q, total);
+      for (int64_t e = 0; e < kBlock; ++e) p[i * kBlock + e] = static_cast<float>(q[e]) * step;
     }
   });
   return out;
@@ -108,7 +155,6 @@ inline __m128i reduce4(const __m256i (&d)[kRows]) {
                                       _mm256_hadd_epi32(d[2], d[3]));
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
-
 // tile x rows against W rows [n, n + rows): per block, each row pair's exact int32 sum, scaled
 // by W's scale times x's step, and the minimum times x's sum, into lane r of the x row's 4-lane
 // fp32 sum. A row's sums run in the same order whatever the tile, so one row alone and two
@@ -180,31 +226,170 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
   });
 }
 
+#else
+constexpr int64_t kLanes = 16;  // W rows a task takes: one an int32 lane
+constexpr int64_t kXTile = 8;   // x rows a pass takes: 8 int32 and 8 fp32 sums in registers
+
+// v[r]: row r's 16 column pairs (as int32) -> v[p]: column pair p of the 16 rows.
+inline void transpose(__m512i (&v)[kLanes]) {
+  __m512i t[kLanes];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: pairs of rows
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows: v[i + c] holds columns 4L + c, lane L
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 128-bit lanes of the quads, transposed
+    const __m512i a = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE);
+    const __m512i d = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44);
+    const __m512i e = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
+  }
+  for (int p = 0; p < 16; ++p) v[p] = t[p];
+}
+
+// W rows [n, n + 16) (fewer at N) as the tiles read them, once a call: each block's 16 column
+// pairs of the 16 rows (lane r: row r's two int16), then the rows' steps and minimums.
+struct Lanes {
+  std::vector<__m512i> pairs;       // [blocks][16]
+  std::vector<float> steps, mins;   // [blocks][16]
+
+  explicit Lanes(int64_t blocks) : pairs(blocks * kLanes), steps(blocks * kLanes),
+                                   mins(blocks * kLanes) {}
+
+  template <typename W>
+  void fill(const W& w, int64_t n, int64_t N) {
+    const int64_t blocks = static_cast<int64_t>(steps.size()) / kLanes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k = b * kBlock;
+      __m512i v[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r) {
+        const int64_t first = n + r - r % kRows, rows = std::min(kRows, N - first);
+        float* step = &steps[b * kLanes + r];
+        float* min = &mins[b * kLanes + r];
+        if (n + r >= N) {
+          v[r] = _mm512_setzero_si512();
+          *step = *min = 0.0f;
+          continue;
+        }
+        v[r] = w.widen32(first, rows, r % kRows, k);
+        *step = w.steps(first, rows, k)[r % kRows];
+        *min = 0.0f;
+        if constexpr (W::kMins) *min = w.mins(first, rows, k)[r % kRows];
+      }
+      transpose(v);
+      for (int64_t p = 0; p < kLanes; ++p) pairs[b * kLanes + p] = v[p];
+    }
+  }
+};
+
+// tile x rows from row m against the 16 W rows of `lanes` (the first `rows` real): per block,
+// each pair of a row's exact int32 sums (vpdpwssd), scaled as the AVX2 product scales them.
+template <int64_t tile, bool mins, typename T>
+void dot(const RoundedX& x, int64_t m, const Lanes& lanes, int64_t rows, T* out, int64_t ldo) {
+  __m512 acc[tile];
+  for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    __m512i dots[tile];
+    for (int64_t t = 0; t < tile; ++t) dots[t] = _mm512_setzero_si512();
+    const int16_t* xq = x.q.data() + m * x.K + b * kBlock;
+    const __m512i* w = lanes.pairs.data() + b * kLanes;
+#pragma GCC unroll 16
+    for (int64_t p = 0; p < kLanes; ++p) {
+      const __m512i wv = _mm512_load_si512(w + p);
+#pragma GCC unroll 8
+      for (int64_t t = 0; t < tile; ++t) {
+        int32_t pair;
+        std::memcpy(&pair, xq + t * x.K + 2 * p, sizeof pair);
+        dots[t] = _mm512_dpwssd_epi32(dots[t], wv, _mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 steps = _mm512_loadu_ps(lanes.steps.data() + b * kLanes);
+    const __m512 least = _mm512_loadu_ps(lanes.mins.data() + b * kLanes);
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < tile; ++t) {
+      const int64_t i = (m + t) * x.blocks + b;
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]),
+                               _mm512_mul_ps(steps, _mm512_set1_ps(x.step[i])), acc[t]);
+      if constexpr (mins) acc[t] = _mm512_fmadd_ps(least, _mm512_set1_ps(x.sum[i]), acc[t]);
+    }
+  }
+  for (int64_t t = 0; t < tile; ++t) {
+    alignas(64) float sums[kLanes];
+    _mm512_store_ps(sums, acc[t]);
+    for (int64_t r = 0; r < rows; ++r) out[t * ldo + r] = static_cast<T>(sums[r]);
+  }
+}
+
+// out [M, N] = x [M, K] W^T: a task widens 16 W rows once and every x row passes over them.
+template <typename T, typename W>
+void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
+  const RoundedX xr(x, M, K);
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 1, [&](int64_t begin, int64_t end) {
+    Lanes lanes(K / kBlock);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = g * kLanes, rows = std::min(kLanes, N - n);
+      lanes.fill(w, n, N);
+      for (int64_t m = 0; m < M; m += kXTile) {
+        auto run = [&](auto tile) {
+          dot<decltype(tile)::value, W::kMins>(xr, m, lanes, rows, out + m * N + n, N);
+        };
+        switch (std::min(kXTile, M - m)) {
+          case 8: run(std::integral_constant<int64_t, 8>{}); break;
+          case 7: run(std::integral_constant<int64_t, 7>{}); break;
+          case 6: run(std::integral_constant<int64_t, 6>{}); break;
+          case 5: run(std::integral_constant<int64_t, 5>{}); break;
+          case 4: run(std::integral_constant<int64_t, 4>{}); break;
+          case 3: run(std::integral_constant<int64_t, 3>{}); break;
+          case 2: run(std::integral_constant<int64_t, 2>{}); break;
+          default: run(std::integral_constant<int64_t, 1>{}); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace integer
 #endif
 
 namespace integer {
 
-// Whether this build's int4 and int8 products round x to 16 bits a block (see above).
-constexpr bool kRoundsX =
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-    true;
+// Whether this build's int4 and int8 products round x to 16 bits a block for a call of `rows`
+// rows of x (see above).
+inline bool rounds_x([[maybe_unused]] int64_t rows) {
+#if SURGE_INTEGER_AVX2
+  return true;
+#elif SURGE_INTEGER_VNNI
+  return rows > dequant::kTile && rows <= dequant::kWidenRows;
 #else
-    false;
+  return false;
 #endif
+}
 
-// y = x W^T for the int4 and int8 formats. Where this build has the integer product, it takes
-// up to dequant::kTile rows (decode steps); more rows take dequant::linear's fp32 products on x
+// y = x W^T for the int4 and int8 formats: the integer product where rounds_x(rows) (the
+// builds above), else dequant::linear's fp32 products. On AVX2, past kTile rows those take x
 // rounded as the integer sums read it, so that a row's values agree across the two to fp32
-// rounding. Past kTile rows the fp32 FMAs are as fast, and 1.1x faster at 64 rows than this
+// rounding: there the fp32 FMAs are as fast, and 1.1x faster at 64 rows than the integer
 // product's per-block scaling (AVX2-only AMD EPYC).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t M = x.size(0), K = x.size(1);
+  if (!rounds_x(M)) return dequant::linear(x, w, N);
+#if SURGE_INTEGER_AVX2 || SURGE_INTEGER_VNNI
   auto xf = x.to(at::kFloat).contiguous();
+#if SURGE_INTEGER_AVX2
   if (M > dequant::kTile)
     return dequant::linear(rounded(xf.data_ptr<float>(), M, K), w, N, x.scalar_type());
+#endif
   auto out = at::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "integer::linear",
                                   [&] {

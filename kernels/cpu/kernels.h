@@ -33,7 +33,7 @@ void rotate_and_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
 at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
                      const at::Tensor& mins);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob);
-bool rounds_activations();
+bool rounds_activations(int64_t rows);
 at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
