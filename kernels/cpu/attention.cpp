@@ -214,14 +214,17 @@ void score(const T* q, const T* k_cache, const int64_t* offsets, int64_t n, int6
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (vectorized<T>(dim)) {
-      for (; t + kLanes <= n; t += kLanes) {
+      // The last few keys too go through reduce16 (its lanes past them zeros): a key's score
+      // then has the same bits wherever its row's keys end (a decode row alone, or a prefill
+      // tile's longer row over the same span).
+      for (; t < n; t += kLanes) {
+        const int64_t keys = std::min(kLanes, n - t);
         __m512 parts[kLanes];
         for (int64_t j = 0; j < kLanes; ++j)
-          parts[j] = dot_lanes(q, k_cache + offsets[t + j], dim);
-        _mm512_storeu_ps(s + t, _mm512_mul_ps(reduce16(parts), _mm512_set1_ps(scale)));
+          parts[j] = j < keys ? dot_lanes(q, k_cache + offsets[t + j], dim) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(s + t, static_cast<__mmask16>((1u << keys) - 1),
+                              _mm512_mul_ps(reduce16(parts), _mm512_set1_ps(scale)));
       }
-      for (; t < n; ++t)
-        s[t] = _mm512_reduce_add_ps(dot_lanes(q, k_cache + offsets[t], dim)) * scale;
     }
   }
 #endif
