@@ -28,7 +28,8 @@ def max_rows() -> int | None:
 
 def widen_rows() -> int:
     """The most rows of x the bf16, int4 and int8 tiles take: past them (prefill chunks) W is
-    dequantized whole for MKL's fp32 product, and a row's bits depend on its call's rows."""
+    dequantized whole for MKL's fp32 product, and a row's bits depend on its call's rows
+    (not int4 and int8 on AVX-512 VNNI, whose integer sums take every row count)."""
     return extension().widen_rows()
 
 
@@ -60,8 +61,7 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def rounds_activations(rows: int) -> bool:
     """Whether int4_linear and int8_linear sum in integers for a call of `rows` rows of x, x
     rounded to 16 bits a block of 32 columns (kernels/cpu/integer_product.h: AVX2 builds
-    without AVX-512 at every row count, AVX-512 VNNI builds between the decode tile and
-    widen_rows)."""
+    without AVX-512 at every row count, AVX-512 VNNI builds past the decode tile of 4)."""
     return extension().rounds_activations(rows)
 
 

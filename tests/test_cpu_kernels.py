@@ -693,9 +693,10 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
-    """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole:
-    still the fp32 dequantized weights, within bf16 rounding of the exact product of x as the
-    integer sums read it (on either side of widen_rows, so that rows agree across it)."""
+    """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole
+    (AVX-512 VNNI builds: the integer sums still): still the fp32 dequantized weights, within
+    bf16 rounding of the exact product of x as the product reads it, on either side of
+    widen_rows."""
     torch.manual_seed(1)
     n, k = 37, 96
     weights, product, w = _low_bit(quantization, n, k)

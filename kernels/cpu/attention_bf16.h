@@ -43,14 +43,16 @@ void score(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int64_
       acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)load(k_cache + offsets[t] + 32 * c));
     return acc;
   };
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
+  // The last few keys too go through reduce16 (its lanes past them zeros), so a key's score has
+  // the same bits wherever its row's keys end.
+  for (int64_t t = 0; t < n; t += 16) {
     if (ahead) prefetch<kChunks>(k_cache, v_cache, offsets, t + ahead, n);
+    const int64_t keys = std::min<int64_t>(16, n - t);
     __m512 parts[16];
-    for (int j = 0; j < 16; ++j) parts[j] = dot(t + j);
-    _mm512_storeu_ps(s + t, _mm512_mul_ps(reduce16(parts), _mm512_set1_ps(scale)));
+    for (int j = 0; j < 16; ++j) parts[j] = j < keys ? dot(t + j) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(s + t, static_cast<__mmask16>((1u << keys) - 1),
+                          _mm512_mul_ps(reduce16(parts), _mm512_set1_ps(scale)));
   }
-  for (; t < n; ++t) s[t] = _mm512_reduce_add_ps(dot(t)) * scale;
 }
 
 // The weights w[0, n) rounded to bf16 (as the reference's softmax(...).to(v.dtype) rounds

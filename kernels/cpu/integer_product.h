@@ -4,11 +4,11 @@
 // - AVX2 without AVX-512, a decode step (up to dequant::kTile rows of x, vpmaddwd): widening
 //   every weight to fp32 first (dequant_product.h) cost more than the bytes it saved, the
 //   one-row int4 product being compute-bound at ~3x its weights' memory time;
-// - AVX-512 with VNNI, past a decode step (kTile < rows <= kWidenRows: batched decode and short
-//   prefill chunks, vpdpwssd): one int32 lane a W row, so that a block's scaling is one vector
-//   operation for 16 rows, where dequant_product.h's fp32 tiles ran at a quarter of oneDNN's bf16
-//   product at 64 rows. Up to kTile rows AVX-512 keeps the fp32 product, which is bound by
-//   W's bytes there.
+// - AVX-512 with VNNI, past a decode step (batched decode and prefill chunks, vpdpwssd): one
+//   int32 lane a W row, so that a block's scaling is one vector operation for 16 rows, where
+//   dequant_product.h's fp32 tiles ran at a quarter of oneDNN's bf16 product at 64 rows, and
+//   MKL's fp32 product on W widened whole (past kWidenRows) at 0.6x this one per row. Up to
+//   kTile rows AVX-512 keeps the fp32 product, which is bound by W's bytes there.
 //
 // Why 16 bits, where llama.cpp rounds x to 8: the step is a power of two that puts the block's
 // largest |x| in [2^14, 2^15) steps, so a bf16 activation within 2^7 of it (8 significant
@@ -369,7 +369,7 @@ inline bool rounds_x([[maybe_unused]] int64_t rows) {
 #if SURGE_INTEGER_AVX2
   return true;
 #elif SURGE_INTEGER_VNNI
-  return rows > dequant::kTile && rows <= dequant::kWidenRows;
+  return rows > dequant::kTile;
 #else
   return false;
 #endif
