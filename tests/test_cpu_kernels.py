@@ -643,11 +643,12 @@ def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
-    """Up to 2 rows (a decode step) W is read into registers, from 5 rows on it goes through a
-    buffer (AVX2: fp32 tiles; AVX-512 VNNI: integer sums with a W row a lane); within each a
-    row's bits do not depend on the other rows, up to widen_rows rows. Across them too where
-    both read x alike (rounds_activations) and sum in fp32; where one sums in integers, the two
-    agree to fp32 rounding if both read x rounded, else to what x's rounding moves."""
+    """Up to 2 rows (4 with AVX-512: a decode step) W is read into registers, past them it goes
+    through a buffer (AVX2: fp32 tiles; AVX-512 VNNI: integer sums with a W row a lane), so the
+    slices below have 5 rows or more; within each a row's bits do not depend on the other rows,
+    up to widen_rows rows. Across them too where both read x alike (rounds_activations) and sum
+    in fp32; where one sums in integers, the two agree to fp32 rounding if both read x rounded,
+    else to what x's rounding moves."""
     torch.manual_seed(0)
     weights, product, w = _low_bit(quantization, 37, 3 * 64)
     x = torch.randn(19, 3 * 64)

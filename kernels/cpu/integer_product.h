@@ -382,23 +382,23 @@ inline bool rounds_x([[maybe_unused]] int64_t rows) {
 // product's per-block scaling (AVX2-only AMD EPYC).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1);
-  if (!rounds_x(M)) return dequant::linear(x, w, N);
 #if SURGE_INTEGER_AVX2 || SURGE_INTEGER_VNNI
-  auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  if (rounds_x(M)) {
+    auto xf = x.to(at::kFloat).contiguous();
 #if SURGE_INTEGER_AVX2
-  if (M > dequant::kTile)
-    return dequant::linear(rounded(xf.data_ptr<float>(), M, K), w, N, x.scalar_type());
+    if (M > dequant::kTile)
+      return dequant::linear(rounded(xf.data_ptr<float>(), M, K), w, N, x.scalar_type());
 #endif
-  auto out = at::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "integer::linear",
-                                  [&] {
-    product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
-  });
-  return out;
-#else
+    auto out = at::empty({M, N}, x.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                    "integer::linear", [&] {
+      product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
+    });
+    return out;
+  }
+#endif
   return dequant::linear(x, w, N);
-#endif
 }
 
 }  // namespace integer
