@@ -14,7 +14,7 @@ started once per workload, with as many slots as the workload's concurrency.
 
 With --quantization none,int8,int4 surge runs once per weight mode (the table then has a
 column per run, ratios against vLLM and llama.cpp); int4 serves the GGUF file llama.cpp
-serves, keeping its Q4_1 grids and Q8_0 head.
+serves, keeping its Q4_1 grids and Q8_0 head (int4a8: the same with --quant-activation-bits 8).
 
 Usage: .venv/bin/python -m bench.compare_vllm [--only surge|vllm|llamacpp]
        [--output result.json] [--quantization none,int8] [--workloads c1,c64]
@@ -167,6 +167,14 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
+def weight_flags(quantization: str) -> list[str]:
+    """surge's flags for a weight mode: none, int8, int4, fp8, or int4a8 (int4 with
+    --quant-activation-bits 8)."""
+    if quantization == "int4a8":
+        return ["--quantization", "int4", "--quant-activation-bits", "8"]
+    return ["--quantization", quantization]
+
+
 def start(name: str, model: str, port: int, log: str, quantization: str = "none",
           slots: int = 1, slot_context: int = 1024) -> subprocess.Popen:
     """One server; llama.cpp's with `slots` sequences of up to `slot_context` tokens each
@@ -186,7 +194,7 @@ def start(name: str, model: str, port: int, log: str, quantization: str = "none"
     else:
         cmd = [sys.executable, "-m", "surge.cli", "serve", "--model", model, "--port",
                str(port), "--served-model-name", "model", "--kv-cache-memory", "4GiB",
-               "--quantization", quantization]
+               *weight_flags(quantization)]
         env = dict(os.environ)
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -258,7 +266,8 @@ def main() -> int:
     parser.add_argument("--only", choices=list(ONLY))
     parser.add_argument("--output")
     parser.add_argument("--quantization", default="none",
-                        help="comma-separated surge weight modes to run (none,int8,int4,fp8)")
+                        help="comma-separated surge weight modes to run (none,int8,int4,fp8; "
+                        "int4a8: int4 with --quant-activation-bits 8)")
     parser.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS))
     opts = parser.parse_args()
     workloads = opts.workloads.split(",")
@@ -285,7 +294,8 @@ def main() -> int:
         else:
             # int4 serves the GGUF file itself, llama.cpp's, whose own Q4_1 grids (and Q8_0
             # head) it keeps; the export's bf16 values would be re-quantized on a grid of its own.
-            weights = "default" if quantization == "int4" and server == "surge" else model
+            weights = ("default" if quantization.startswith("int4") and server == "surge"
+                       else model)
             table[name] = serve(server, weights, os.path.join(ROOT, ".cache", f"{name}.log"),
                                 workloads, quantization)
     if len(table) > 1:

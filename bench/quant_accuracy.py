@@ -1,5 +1,6 @@
 """How much each quantization mode costs in accuracy: perplexity on a fixed text shipped in the
-repo (bench/data/apache-2.0.txt) and the share of greedy tokens that agree with the
+repo (bench/data/apache-2.0.txt), the share of its positions whose most likely next token is
+the unquantized model's, and the share of greedy tokens that agree with the
 unquantized model on the reference prompts, for none / int8 / int4 / fp8.
 
 Usage: .venv/bin/python -m bench.quant_accuracy [--modes none,int8,int4,fp8] [--dtype float32]
@@ -41,17 +42,20 @@ def prefill_hidden(model: LlamaModel, token_ids: list[int], block_size: int = 16
 
 
 @torch.inference_mode()
-def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
-    """exp of the mean next-token negative log-likelihood over token_ids, in one prefill."""
+def perplexity(model: LlamaModel, token_ids: list[int]) -> tuple[float, torch.Tensor]:
+    """exp of the mean next-token negative log-likelihood over token_ids, in one prefill, and
+    the most likely next token at each position (teacher-forced: one differing pick does not
+    move the later ones, as it does in a greedy continuation)."""
     n = len(token_ids)
     hidden = prefill_hidden(model, token_ids)
     targets = torch.tensor(token_ids[1:])
-    nll = 0.0
+    nll, picks = 0.0, []
     for start in range(0, n - 1, 256):  # the logits of the whole text at once are too large
         logits = model.logits(hidden[start : min(start + 256, n - 1)])
         nll += torch.nn.functional.cross_entropy(
             logits, targets[start : start + 256], reduction="sum").item()
-    return math.exp(nll / (n - 1))
+        picks.append(logits.argmax(dim=-1))
+    return math.exp(nll / (n - 1)), torch.cat(picks)
 
 
 def greedy(model: LlamaModel, prompts: dict[str, list[int]], n: int, alone: bool = False
@@ -108,20 +112,21 @@ def main() -> int:
     print(f"{len(text_ids)} tokens of {os.path.relpath(TEXT)}; {len(prompts)} reference prompts "
           f"x {opts.new_tokens} greedy tokens; {opts.dtype}; load average "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"{'mode':6} {'perplexity':>10} {'vs none':>8} {'prompts agreeing on 16':>23} "
-          f"{'tokens agreeing':>16} {'time':>6}")
-    base_ppl, base_out = None, None
+    print(f"{'mode':6} {'perplexity':>10} {'vs none':>8} {'top-1 as none':>13} "
+          f"{'prompts agreeing on 16':>23} {'tokens agreeing':>16} {'time':>6}")
+    base_ppl, base_picks, base_out = None, None, None
     for mode in opts.modes.split(","):
         started = time.monotonic()
         model = load(mode, dtype, opts.group_size,
                      "reference" if mode == "none" else opts.kernel_backend)
-        ppl = perplexity(model, text_ids)
+        ppl, picks = perplexity(model, text_ids)
         out = greedy(model, prompts, opts.new_tokens, opts.alone)
         if base_out is None:
-            base_ppl, base_out = ppl, out
+            base_ppl, base_picks, base_out = ppl, picks, out
         same = [agreement(base_out[k], out[k]) for k in prompts]
         first16 = sum(s >= min(16, opts.new_tokens) for s in same)
         print(f"{mode:6} {ppl:10.3f} {(ppl / base_ppl - 1) * 100:+7.2f}% "
+              f"{(picks == base_picks).float().mean().item():13.1%} "
               f"{first16:>16} of {len(prompts):<4} "
               f"{sum(same) / (len(prompts) * opts.new_tokens):15.1%} "
               f"{time.monotonic() - started:5.0f}s")

@@ -26,7 +26,8 @@ def fuse_layers(model: LlamaModel) -> bool:
 
 
 def layer_weights(layer: DecoderLayer) -> tuple | None:
-    """(input norm, qkv, o, MLP norm, gate_up, down) as decoder_layer takes them, or None."""
+    """(input norm, qkv, o, MLP norm, gate_up, down, the int4 products' activation bits) as
+    decoder_layer takes them, or None."""
     attn, mlp = layer.attn, layer.mlp
     if (attn.qkv_bias is not None or attn.q_norm is not None or attn.tp.size > 1
             or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
@@ -37,7 +38,12 @@ def layer_weights(layer: DecoderLayer) -> tuple | None:
     if any(p is None for p in projections):
         return None
     qkv, o, gate_up, down = projections
-    return layer.input_norm, qkv, o, layer.mlp_norm, gate_up, down
+    bits = {p.activation_bits for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                        mlp.down_proj) if isinstance(p, Int4Linear)}
+    if len(bits) > 1:
+        return None
+    return (layer.input_norm, qkv, o, layer.mlp_norm, gate_up, down,
+            bits.pop() if bits else 16)
 
 
 def _projection(module: nn.Module) -> list[torch.Tensor] | None:

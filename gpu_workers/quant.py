@@ -93,14 +93,16 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """On a backend with its own int4 product (cpu, groups of a multiple of 32) the nibbles keep
     Q4_1's grid with fp32 steps and minimums (a GGUF's fp16 ones exactly), in the layout its
-    pack_int4 makes; elsewhere PyTorch's int4 operators, which take their scales and offsets in
-    the activations' dtype."""
+    pack_int4 makes, its integer sums rounding x to activation_bits (8 or 16, see
+    --quant-activation-bits); elsewhere PyTorch's int4 operators, which take their scales and
+    offsets in the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, group: int, grid: torch.Tensor | None = None,
-                 ops: Kernels = kernels.REFERENCE) -> None:
+                 ops: Kernels = kernels.REFERENCE, activation_bits: int = 16) -> None:
         super().__init__()
         self.group = group
         self.ops = ops
+        self.activation_bits = activation_bits
         q, scales, zeros = quantize_int4(weight, group, grid)
         # The C++ product reads whole Q4_1 blocks; other groups take PyTorch's operator.
         self.cpp = ops.int4_linear is not None and group % Q4_BLOCK == 0
@@ -119,7 +121,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if self.cpp:
-            return self.ops.int4_linear(x, self.packed)
+            return self.ops.int4_linear(x, self.packed, self.activation_bits)
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
                                                       self.scales_zeros)
@@ -149,9 +151,10 @@ class FP8Linear(nn.Module):
 
 
 def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
-              ops: Kernels = kernels.REFERENCE) -> nn.Module:
+              ops: Kernels = kernels.REFERENCE, activation_bits: int = 16) -> nn.Module:
     """The quantized replacement of `linear` (whose weight is `weight`), for the kernels
-    `ops` (the C++ backend has int8 and int4 products of its own)."""
+    `ops` (the C++ backend has int8 and int4 products of its own; its int4 one rounds x to
+    activation_bits)."""
     weight = weight.detach()
     if mode == "int8":
         return Int8Linear(weight, ops)
@@ -159,26 +162,28 @@ def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
         # A GGUF's Q4_1 blocks are groups of 32 on a grid of their own: keep exactly those.
         grid = getattr(linear, "q4_1", None)
         exact = group == 32 and grid is not None and not bool(grid.isnan().any())
-        return Int4Linear(weight, group, grid if exact else None, ops)
+        return Int4Linear(weight, group, grid if exact else None, ops, activation_bits)
     if mode == "fp8":
         return FP8Linear(weight)
     raise ValueError(f"unknown quantization {mode!r} (none, int8, int4, fp8)")
 
 
 def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
-                   ops: Kernels = kernels.REFERENCE) -> None:
+                   ops: Kernels = kernels.REFERENCE, activation_bits: int = 16) -> None:
     """Every decoder-layer projection becomes a quantized linear; the embedding stays, and so
     does the LM head unless `head` (a tied head then gets a quantized copy of the embedding),
-    or unless int4 keeps a GGUF's Q8_0 head as the file holds it (the loader's q8_0 blocks)."""
+    or unless int4 keeps a GGUF's Q8_0 head as the file holds it (the loader's q8_0 blocks).
+    activation_bits: what the C++ int4 product rounds x to (--quant-activation-bits)."""
     for layer in model.layers:
         for parent in (layer.attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, quantized(child, child.weight, mode, group, ops))
+                    setattr(parent, name, quantized(child, child.weight, mode, group, ops,
+                                                             activation_bits))
     if not model.has_head:
         return
     source = model.embed if model.lm_head is None else model.lm_head
     if head:
-        model.lm_head = quantized(source, source.weight, mode, group, ops)
+        model.lm_head = quantized(source, source.weight, mode, group, ops, activation_bits)
     elif (blocks := getattr(source, "q8_0", None)) is not None and ops.int8_linear is not None:
         model.lm_head = Int8Linear(source.weight, ops, blocks)

@@ -155,6 +155,17 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
+def _activation_note(cfg: ModelConfig, ops: kernels.Kernels) -> str:
+    """The start-up line's word on --quant-activation-bits 8, which only the cpu kernels' int4
+    product on AVX-512 VNNI takes (past a decode step's 4 rows)."""
+    if cfg.quantization != "int4" or cfg.quant_activation_bits == 16:
+        return ""
+    if ops.name == "cpu" and matmul_cpu.activation_bits("int4", 64, 8) == 8:
+        return " (activations rounded to 8 bits a block past 4 rows)"
+    return (" (--quant-activation-bits 8 has no effect here: only the cpu kernels on AVX-512 "
+            "VNNI take it; activations keep 16 bits or their dtype)")
+
+
 def _fixed_rows(model: LlamaModel, prepare: Callable[[LlamaModel], None] | None) -> None:
     """--deterministic: the model's products, packed or plain, each in fixed-shape slices."""
     if prepare is not None:
@@ -179,7 +190,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     ops = kernels.for_device(device, cfg.model.kernel_backend, cfg.model.deterministic)
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
-                       ops)
+                       ops, cfg.model.quant_activation_bits)
     # The C++ backend's small-M products read the plain weights; past them, oneDNN reads its
     # packed copy where that is faster than the plain weight.
     routed = ops.name == "cpu" and dtype == torch.bfloat16
@@ -237,6 +248,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                   else ", no CUDA graphs")
     description = (f"{files.path} on {device}{split} in {str(dtype).removeprefix('torch.')}"
                    f"{'' if quant == 'none' else f', {quant} weights'}"
+                   f"{_activation_note(cfg.model, ops)}"
                    f"{' (oneDNN-packed weights)' if packed and not routed else ''}"
                    f"{f' ({matmul_cpu.describe_rows()}' if routed else ''}"
                    f"{', oneDNN-packed copies past them' if routed and packed else ''}"

@@ -53,16 +53,20 @@ def pack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
     return extension().int4_pack(packed, scales, mins)
 
 
-def int4_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x W^T for W as pack_int4 packed it, as kernels.matmul.int4_linear computes it."""
-    return extension().int4_linear(x, weights)
+def int4_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 16
+                ) -> torch.Tensor:
+    """x W^T for W as pack_int4 packed it, as kernels.matmul.int4_linear computes it, x rounded
+    to activation_bits (8 or 16) where the product sums in integers (see activation_bits)."""
+    return extension().int4_linear(x, weights, activation_bits)
 
 
-def rounds_activations(rows: int) -> bool:
-    """Whether int4_linear and int8_linear sum in integers for a call of `rows` rows of x, x
-    rounded to 16 bits a block of 32 columns (kernels/cpu/integer_product.h: AVX2 builds
-    without AVX-512 at every row count, AVX-512 VNNI builds past the decode tile of 4)."""
-    return extension().rounds_activations(rows)
+def activation_bits(quantization: str, rows: int, asked: int = 16) -> int:
+    """The bits int4_linear or int8_linear ("int4", "int8") round x to, a block of 32 columns,
+    to sum in integers for a call of `rows` rows of x, int4_linear asked for `asked` (8 or
+    16); 0 where they read x as it is (kernels/cpu/integer_product.h: AVX2 builds without
+    AVX-512 16 bits at every row count; AVX-512 VNNI builds past the decode tile of 4, int4
+    as asked, int8 16)."""
+    return extension().activation_bits(quantization, rows, asked)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

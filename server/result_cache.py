@@ -34,7 +34,8 @@ def model_scope(name: str, fingerprint: str, model: ModelConfig) -> str:
     """What, besides the body, decides an answer: the served model, its weights, and how they
     are loaded (quantization, dtype, tokenizer)."""
     return "|".join((name, fingerprint, model.quantization, str(model.quant_group_size),
-                     str(model.quantize_lm_head), model.dtype, model.tokenizer or ""))
+                     str(model.quant_activation_bits), str(model.quantize_lm_head), model.dtype,
+                     model.tokenizer or ""))
 
 
 def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:

@@ -38,8 +38,11 @@ def _is_bool(hint: Any) -> bool:
 
 
 def _choices(hint: Any) -> tuple[str, ...] | None:
+    """A Literal field's values as a flag spells them (Literal[8, 16]: "8", "16")."""
     base = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
-    return typing.get_args(base) if typing.get_origin(base) is Literal else None
+    if typing.get_origin(base) is not Literal:
+        return None
+    return tuple(str(value) for value in typing.get_args(base))
 
 
 def _defaults() -> dict[str, Any]:

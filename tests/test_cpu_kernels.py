@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import openai
 import pytest
@@ -285,6 +286,30 @@ def test_one_call_a_layer_gives_the_layer_by_layer_tokens(model_files, tokenizer
     assert runs[0] == runs[1]
 
 
+def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
+    """--quant-activation-bits 8 rounds the int4 products' x in one decoder_layer call a layer
+    as in the Python layers (the same logits, to the bit), and moves the logits from 16 bits'
+    where the build takes 8 (AVX-512 VNNI); where it does not, the two are the same."""
+    from bench.quant_accuracy import prefill_hidden
+
+    ops = kernels.for_device(torch.device("cpu"), "cpu")
+    ids = next(iter(reference_prompts(tokenizer).values()))
+    logits = {}
+    for bits in (16, 8):
+        model = load_model(model_files, torch.device("cpu"), torch.bfloat16, keep_blocks=True)
+        model.ops = ops
+        quantize_model(model, "int4", 32, ops=ops, activation_bits=bits)
+        route_linears(model, ops)
+        for fused in (False, True):
+            model.fused = None
+            assert fuse_layers(model) if fused else True
+            logits[bits, fused] = model.logits(prefill_hidden(model, ids))
+    assert torch.equal(logits[16, False], logits[16, True])
+    assert torch.equal(logits[8, False], logits[8, True])
+    takes_8 = matmul_cpu.activation_bits("int4", len(ids), 8) == 8
+    assert torch.equal(logits[8, True], logits[16, True]) != takes_8
+
+
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
                     reason="oneDNN has no bf16 path on this CPU (AVX2 only): no packed copies")
 def test_rows_past_the_cpp_products_read_the_packed_copy():
@@ -538,54 +563,63 @@ def test_q4_packing_round_trips():
     assert torch.equal(matmul_ref.unpack_q4(packed), q.to(torch.uint8))
 
 
-def _as_read(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """x (float64) as the int4 and int8 products read it in a call of `rows` rows (x's own by
-    default). Where they sum in integers (matmul_cpu.rounds_activations(rows)), each block of
-    32 columns is rounded (to nearest even) to multiples of a power-of-two step that puts its
-    largest |x| in [2^14, 2^15) steps."""
-    x = x.double()
-    if not matmul_cpu.rounds_activations(rows or x.shape[0]):
-        return x
-    blocks = x.view(x.shape[0], -1, 32)
+def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> torch.Tensor:
+    """x (float64) as the int4, int4a8 (int4 asked for 8-bit activations) or int8 product
+    reads it in a call of `rows` rows (x's own by default). Where it sums in integers
+    (matmul_cpu.activation_bits), each block of 32 columns is rounded (to nearest even) to
+    multiples of a step: to 16 bits, a power of two that puts the block's largest |x| in
+    [2^14, 2^15) steps; to 8, the largest over 127 (fp32, as x times the step's fp32 inverse),
+    never under the least normal float."""
+    bits = matmul_cpu.activation_bits(quantization[:4], rows or x.shape[0],
+                                      8 if quantization == "int4a8" else 16)
+    if not bits:
+        return x.double()
+    blocks = x.float().view(x.shape[0], -1, 32)
     largest = blocks.abs().amax(dim=2, keepdim=True)
-    step = torch.exp2((torch.frexp(largest).exponent - 15).clamp(min=-126).double())
-    rounded = (blocks / step).round().clamp(-2**15, 2**15 - 1) * step
+    if bits == 16:
+        step = torch.exp2((torch.frexp(largest).exponent - 15).clamp(min=-126).double())
+        rounded = (blocks.double() / step).round().clamp(-2**15, 2**15 - 1) * step
+    else:
+        step = (largest / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        rounded = (blocks * (1 / step)).round().clamp(-127, 127).double() * step.double()
     return torch.where(largest > 0, rounded, 0.0).view_as(x)
 
 
 def _assert_near_the_reference(got: torch.Tensor, reference: torch.Tensor, x: torch.Tensor,
-                               w: torch.Tensor) -> None:
+                               w: torch.Tensor, quantization: str) -> None:
     """The reference backend's product (kernels.matmul, x as it is) within one rounding to
     x's dtype, plus what x's rounding for the integer sums can move it."""
-    slack = (_as_read(x) - x.double()).abs() @ w.abs().T
+    slack = (_as_read(x, quantization) - x.double()).abs() @ w.abs().T
     bound = 2**-7 * reference.double().abs() + 1e-4 + slack
     assert ((got.double() - reference.double()).abs() <= bound).all()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 20), st.integers(1, 50),
        st.sampled_from([32, 64]),
-       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
-def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, seed):
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from(["int4", "int4a8"]), seeds)
+def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quantization, seed):
     """Against the exact product of the dequantized weight: the steps and minimums reach
-    the sums unrounded (fp32), whatever the rows, groups of 32 or 64 columns, dtype (x as
-    the integer sums read it, _as_read)."""
+    the sums unrounded (fp32), whatever the rows, groups of 32 or 64 columns, dtype, and
+    activation bits (x as the integer sums read it, _as_read)."""
     torch.manual_seed(seed)
     k = groups * group
     q = torch.randint(0, 16, (n, k))
     scales = torch.rand(n, k // group) * 0.1 + 1e-3
     mins = -torch.rand(n, k // group)
     x = torch.randn(m, k).to(dtype)
-    got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins))
+    got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),
+                                 8 if quantization == "int4a8" else 16)
     assert got.shape == (m, n) and got.dtype == dtype
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
-    exact = _as_read(x) @ w.T
+    exact = _as_read(x, quantization) @ w.T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
     reference = matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales, mins)
-    _assert_near_the_reference(got, reference, x, w)
+    _assert_near_the_reference(got, reference, x, w, quantization)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
@@ -618,15 +652,16 @@ def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, seed
     assert got.shape == (m, n) and got.dtype == dtype
     per_column = scales[:, None] if scales.dim() == 1 else scales
     w = q.double() * per_column.double().repeat_interleave(k // per_column.shape[1], 1)
-    exact = _as_read(x) @ w.T
+    exact = _as_read(x, "int8") @ w.T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
-    _assert_near_the_reference(got, matmul_ref.int8_linear(x, q, scales), x, w)
+    _assert_near_the_reference(got, matmul_ref.int8_linear(x, q, scales), x, w, "int8")
 
 
 def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.Tensor]:
-    """(weights, their C++ product, W dequantized in float64) for int4 or int8."""
+    """(weights, their C++ product, W dequantized in float64) for int4, int4a8 (int4 asked for
+    8-bit activations) or int8."""
     from gpu_workers.quant import quantize_int8
 
     if quantization == "int8":
@@ -638,15 +673,16 @@ def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.
     weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),)
     w = (q.double() * scales.double().repeat_interleave(32, 1)
          + mins.double().repeat_interleave(32, 1))
-    return weights, matmul_cpu.int4_linear, w
+    bits = 8 if quantization == "int4a8" else 16
+    return weights, partial(matmul_cpu.int4_linear, activation_bits=bits), w
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
 def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
     """Up to 2 rows (4 with AVX-512: a decode step) W is read into registers, past them it goes
     through a buffer (AVX2: fp32 tiles; AVX-512 VNNI: integer sums with a W row a lane), so the
     slices below have 5 rows or more; within each a row's bits do not depend on the other rows,
-    up to widen_rows rows. Across them too where both read x alike (rounds_activations) and sum
+    up to widen_rows rows. Across them too where both read x alike (activation_bits) and sum
     in fp32; where one sums in integers, the two agree to fp32 rounding if both read x rounded,
     else to what x's rounding moves."""
     torch.manual_seed(0)
@@ -661,18 +697,20 @@ def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
             assert torch.equal(product(x[row:row + 1].to(dtype), *weights), pair[row:row + 1])
         if dtype != torch.float32:
             continue
-        rounds = matmul_cpu.rounds_activations(2), matmul_cpu.rounds_activations(19)
-        if rounds == (False, False):
+        asked = 8 if quantization == "int4a8" else 16
+        bits = (matmul_cpu.activation_bits(quantization[:4], 2, asked),
+                matmul_cpu.activation_bits(quantization[:4], 19, asked))
+        if bits == (0, 0):
             assert torch.equal(pair, batch[:2])
-        elif rounds == (True, True):
+        elif bits[0] == bits[1]:
             torch.testing.assert_close(pair, batch[:2], rtol=1e-5, atol=1e-5)
         else:
-            moved = (_as_read(x[:2], 19) - x[:2].double()).abs() @ w.abs().T
+            moved = (_as_read(x[:2], quantization, 19) - x[:2].double()).abs() @ w.abs().T
             assert ((pair.double() - batch[:2].double()).abs()
                     <= moved + 1e-5 * (1 + batch[:2].double().abs())).all()
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 11])
 def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, rows):
     """A NaN or an infinity in x makes its own row's outputs non-finite, as fp32 sums would,
@@ -687,12 +725,12 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
     got = product(x, *weights)
     assert not got[: min(rows, 2)].isfinite().any()
     if rows > 2:
-        exact = _as_read(x[2:], rows) @ w.T
+        exact = _as_read(x[2:], quantization, rows) @ w.T
         bound = 1e-6 * (x[2:].double().abs() @ w.abs().T) + 1e-30
         assert ((got[2:].double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
 def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
     """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole
     (AVX-512 VNNI builds: the integer sums still): still the fp32 dequantized weights, within
@@ -704,7 +742,7 @@ def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantizati
     for m in (matmul_cpu.widen_rows(), matmul_cpu.widen_rows() + 1):
         x = torch.randn(m, k).bfloat16()
         got = product(x, *weights)
-        exact = _as_read(x) @ w.T
+        exact = _as_read(x, quantization) @ w.T
         bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
         assert got.shape == (m, n) and ((got.double() - exact).abs() <= bound).all(), m
 
@@ -735,15 +773,20 @@ def test_int8_layers_take_the_cpp_product_on_the_cpu_backend():
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantization", "ranks", "dtype"),
                          [("none", 1, "bfloat16"), ("int4", 1, "bfloat16"),
-                          ("int8", 1, "bfloat16"), ("none", 3, "float32")])
+                          ("int4a8", 1, "bfloat16"), ("int8", 1, "bfloat16"),
+                          ("none", 3, "float32")])
 def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
     """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 and int8
-    ones to the C++ low-bit products), and the C++ attention split over 3 gloo ranks (in
+    ones to the C++ low-bit products; int4a8: int4 with --quant-activation-bits 8, which the
+    start-up line names where the build takes it), and the C++ attention split over 3 gloo
+    ranks (in
     float32: transformers' own answer); one request and four at once (still the small-M
     path) answer alike. In bf16 this prompt's first token is a near-tie (" Paris" leads by 0.08
     in float32, under a bf16 logit's step of 0.125 there), which any rounding in the layers can
     turn: the server must answer what the same set-up gives in-process."""
-    srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization,
+    a8 = quantization == "int4a8"
+    srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization[:4],
+                        *(["--quant-activation-bits", "8"] if a8 else []),
                         "--tensor-parallel-size", str(ranks), dtype=dtype).wait_ready()
     try:
         log = srv.output()
@@ -751,7 +794,10 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
         # With int4 layers, the LM head still takes the small-M product.
         assert (matmul_cpu.describe_rows() in log) == \
             (dtype == "bfloat16")
-        assert (f"{quantization} weights" in log) == (quantization != "none")
+        assert (f"{quantization[:4]} weights" in log) == (quantization != "none")
+        takes_8 = a8 and matmul_cpu.activation_bits("int4", 64, 8) == 8
+        assert ("(activations rounded to 8 bits a block past 4 rows)" in log) == takes_8
+        assert ("--quant-activation-bits 8 has no effect here" in log) == (a8 and not takes_8)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
         def ask(_: int = 0) -> str:

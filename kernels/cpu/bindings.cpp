@@ -10,9 +10,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "x W^T for a few rows of x, bf16, fp32 sums");
   m.def("bf16_linear", &bf16_linear, "x W^T for any rows, bf16, W widened a task at a time");
   m.def("int4_pack", &int4_pack, "Q4_1 nibbles, scales and mins in int4_linear's layout");
-  m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums");
-  m.def("rounds_activations", &rounds_activations,
-        "whether int4_linear and int8_linear round x to 16 bits a block (integer sums) at these rows");
+  m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums",
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);
+  m.def("activation_bits", &activation_bits,
+        "the bits int4_linear or int8_linear round x to a block (integer sums) at these rows, "
+        "asked for 8 or 16 (int4_linear's activation_bits), 0: none",
+        pybind11::arg("quantization"), pybind11::arg("rows"), pybind11::arg("asked") = 16);
   m.def("int8_pack", &int8_pack, "int8 values and scales a row or a block in int8_linear's layout");
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums");
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");

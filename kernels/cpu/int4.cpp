@@ -1,11 +1,12 @@
 // int4 weight products y = x W^T with W = q * scale + min per group of columns (GGUF Q4_1's
 // grid), everything after the nibbles in fp32: the file's scales and minimums are fp16, which
 // fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
-// (x is, to 16 bits a block, on AVX2-only CPUs: integer_product.h). The weights are repacked
+// (x is, where the products sum in integers: integer_product.h). The weights are repacked
 // once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
+#include <string>
 
 #include "integer_product.h"
 #include "records.h"
@@ -31,6 +32,7 @@ struct Int4W {
 
   // integer_product.h's interface: the nibbles as they are, the steps and minimums beside.
   static constexpr bool kMins = true;
+  static constexpr bool kNibbles = true;
   const float* steps(int64_t n, int64_t rows, int64_t k) const {
     return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock / 2);
   }
@@ -42,6 +44,13 @@ struct Int4W {
     return _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
         _mm256_srli_epi16(bytes, 4), 1);
+  }
+  __m256i bytes32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
+    const __m128i bytes = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(record(n, rows, k) + r * kBlock / 2));
+    const __m128i low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low),
+                            _mm_and_si128(bytes, low));
   }
 #endif
 #if defined(__AVX512F__)
@@ -107,9 +116,13 @@ at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
   return records::pack(q, {scales, mins}, layout(q.size(1) * 2));
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits) {
   const records::Layout w = records::check("int4_linear", "int4_pack", x, blob, at::kByte, layout);
-  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0));
+  return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0), activation_bits);
 }
 
-bool rounds_activations(int64_t rows) { return integer::rounds_x(rows); }
+int64_t activation_bits(const std::string& quantization, int64_t rows, int64_t asked) {
+  TORCH_CHECK(quantization == "int4" || quantization == "int8",
+              "activation_bits: quantization int4 or int8, not ", quantization);
+  return integer::x_bits(quantization == "int4", rows, asked);
+}

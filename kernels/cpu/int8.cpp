@@ -29,6 +29,7 @@ struct Int8W {
 
   // integer_product.h's interface: the values as they are, the scales beside.
   static constexpr bool kMins = false;
+  static constexpr bool kNibbles = false;
   const float* steps(int64_t n, int64_t rows, int64_t k) const { return scales(n, rows, k); }
 #if defined(__AVX512BW__)
   __m512i widen32(int64_t n, int64_t rows, int64_t r, int64_t k) const {

@@ -12,15 +12,24 @@
 //
 // Why 16 bits, where llama.cpp rounds x to 8: the step is a power of two that puts the block's
 // largest |x| in [2^14, 2^15) steps, so a bf16 activation within 2^7 of it (8 significant
-// bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int4 path keeps
+// bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int8 path keeps
 // what the activations carry, as the fp32 path did, rather than a precision loss of its own.
 // Both builds round alike and scale a block's sum alike, so they give a row the same bits.
+// int4 on AVX-512 VNNI past a decode step is the exception: there x is rounded to 8 bits a block
+// as llama.cpp's Q8_1 rounds it (the largest |x| at 127 steps), so that vpdpbusd sums four of
+// W's unsigned nibbles times x at once, twice vpdpwssd's (and oneDNN's bf16) products an
+// instruction: without it the int4 product ran at 0.72-0.80x oneDNN's bf16 one at 64 rows. The
+// error it adds (at most half a step, 1/254 of the block's largest |x|) is a twentieth of what
+// rounding W to 4 bits already moves a sum by.
 //
 // A format adds, for these builds,
 //   kMins                       whether W has a minimum per block (int4) or not (int8),
 //   widen16(n, rows, r, k, w)   W[n + r, k:k+16] and W[n + r, k+16:k+32] as int16 in w[0], w[1]
 //                               (AVX2),
 //   widen32(n, rows, r, k)      W[n + r, k:k+32] as 32 int16 in one vector (AVX-512),
+//   kNibbles                    whether W's integers are unsigned 4-bit ones (int4: x rounds
+//                               to 8 bits past a decode step on AVX-512 VNNI),
+//   bytes32(n, rows, r, k)      then W[n + r, k:k+32] as 32 unsigned bytes (AVX-512),
 //   steps(n, rows, k)           the rows' scales at columns [k, k + 32), `rows` floats,
 //   mins(n, rows, k)            and their minimums (kMins formats).
 #pragma once
@@ -48,13 +57,16 @@ namespace integer {
 using dequant::kRows;
 constexpr int64_t kBlock = 32;
 
-// A block's step from its largest |x| (a power of two, see above), or 0 for a block of zeros,
-// or NaN for one whose sum is not finite (a NaN or an infinity, which max can drop, but a sum
-// keeps): that row's sums then come out NaN, as fp32 sums would.
+// A block's step from its largest |x| for integers Q (int16: a power of two, see above; int8:
+// the largest at 127 steps), or 0 for a block of zeros, or NaN for one whose sum is not finite
+// (a NaN or an infinity, which max can drop, but a sum keeps): that row's sums then come out
+// NaN, as fp32 sums would. Never under the least normal float: the inverse stays finite.
+template <typename Q>
 inline float step_of(float largest, float sum) {
   if (!std::isfinite(sum)) return std::numeric_limits<float>::quiet_NaN();
   if (!(largest > 0.0f)) return 0.0f;
-  // -126: the inverse stays a normal float for blocks of denormals.
+  if constexpr (sizeof(Q) == 1)
+    return std::max(largest / 127.0f, std::numeric_limits<float>::min());
   return std::ldexp(1.0f, std::max(std::ilogb(largest) - 14, -126));
 }
 
@@ -71,7 +83,7 @@ inline float round_block(const float* p, int16_t* q, int32_t& total) {
       _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
-  const float step = step_of(
+  const float step = step_of<int16_t>(
       *std::max_element(lanes, lanes + 8),
       sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]))));
   const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);  // exact
@@ -93,31 +105,41 @@ inline float round_block(const float* p, int16_t* q, int32_t& total) {
   return step;
 }
 #else
-inline float round_block(const float* p, int16_t* q, int32_t& total) {
+// The AVX-512 round_block, for int16 (above) and int8 (the largest |x| at 127 steps) alike.
+template <typename Q>
+inline float round_block(const float* p, Q* q, int32_t& total) {
+  constexpr float kTop = sizeof(Q) == 1 ? 127.0f : 32767.0f;
   const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
   const float step =
-      step_of(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))),
-              _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)));
-  const __m512 inverse = _mm512_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);  // exact
+      step_of<Q>(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))),
+                 _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)));
+  const __m512 inverse = _mm512_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);
   auto integers = [&](__m512 v) {
     return _mm512_cvtps_epi32(_mm512_min_ps(
         _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, inverse),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                      _mm512_set1_ps(-32768.0f)),
-        _mm512_set1_ps(32767.0f)));
+                      _mm512_set1_ps(-kTop - (sizeof(Q) == 1 ? 0.0f : 1.0f))),
+        _mm512_set1_ps(kTop)));
   };
   const __m512i q0 = integers(v0), q1 = integers(v1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(q0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(q1));
+  if constexpr (sizeof(Q) == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(q1));
+  }
   total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   return step;
 }
 #endif
 
-// x [M, K] per block of 32 columns as q * step (round_block), and the block's sum
-// of those values (exact in fp32: step times a sum of q under 2^20) for the minimums' term.
+// x [M, K] per block of 32 columns as q * step (round_block, integers Q), and the block's sum
+// of those values (step times a sum of q, exact for int16's power-of-two steps) for the
+// minimums' term.
+template <typename Q = int16_t>
 struct RoundedX {
-  std::vector<int16_t> q;
+  std::vector<Q> q;
   std::vector<float> step, sum;  // [M, K / 32]
   int64_t K, blocks;
 
@@ -160,7 +182,7 @@ inline __m128i reduce4(const __m256i (&d)[kRows]) {
 // fp32 sum. A row's sums run in the same order whatever the tile, so one row alone and two
 // together give the same bits.
 template <int64_t tile, typename W, typename T>
-void dot(const RoundedX& x, const W& w, int64_t n, int64_t rows, T* out, int64_t ldo) {
+void dot(const RoundedX<>& x, const W& w, int64_t n, int64_t rows, T* out, int64_t ldo) {
   const int64_t K = x.K;
   const __m128i valid = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(rows)),
                                         _mm_setr_epi32(0, 1, 2, 3));
@@ -213,7 +235,7 @@ void dot(const RoundedX& x, const W& w, int64_t n, int64_t rows, T* out, int64_t
 // widened into registers once and used by every x row, so W's bytes are read once a call.
 template <typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
-  const RoundedX xr(x, M, K);
+  const RoundedX<> xr(x, M, K);
   at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = b * kRows, rows = std::min(kRows, N - n);
@@ -256,60 +278,77 @@ inline void transpose(__m512i (&v)[kLanes]) {
   for (int p = 0; p < 16; ++p) v[p] = t[p];
 }
 
-// W rows [n, n + 16) (fewer at N) as the tiles read them, once a call: each block's 16 column
-// pairs of the 16 rows (lane r: row r's two int16), then the rows' steps and minimums.
+// W rows [n, n + 16) (fewer at N) as the tiles read them, once a call: each block's words of
+// the 16 rows (lane r: row r's column pair as two int16, or its 4 columns as unsigned bytes for
+// Q int8), then the rows' steps and minimums.
+template <typename Q>
 struct Lanes {
-  std::vector<__m512i> pairs;       // [blocks][16]
+  static constexpr int64_t kWords = kBlock * sizeof(Q) / 4;  // a block's words a row: 16 or 8
+  std::vector<__m512i> words;       // [blocks][kWords]
   std::vector<float> steps, mins;   // [blocks][16]
 
-  explicit Lanes(int64_t blocks) : pairs(blocks * kLanes), steps(blocks * kLanes),
+  explicit Lanes(int64_t blocks) : words(blocks * kWords + kWords), steps(blocks * kLanes),
                                    mins(blocks * kLanes) {}
 
   template <typename W>
   void fill(const W& w, int64_t n, int64_t N) {
     const int64_t blocks = static_cast<int64_t>(steps.size()) / kLanes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t k = b * kBlock;
+    constexpr int64_t kPer = kLanes / kWords;  // blocks a transpose takes: 1, or 2 for bytes
+    for (int64_t b = 0; b < blocks; b += kPer) {
+      const int64_t count = std::min(kPer, blocks - b);
       __m512i v[kLanes];
       for (int64_t r = 0; r < kLanes; ++r) {
         const int64_t first = n + r - r % kRows, rows = std::min(kRows, N - first);
-        float* step = &steps[b * kLanes + r];
-        float* min = &mins[b * kLanes + r];
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t at = (b + j) * kLanes + r, k = (b + j) * kBlock;
+          steps[at] = n + r < N ? w.steps(first, rows, k)[r % kRows] : 0.0f;
+          mins[at] = 0.0f;
+          if constexpr (W::kMins)
+            if (n + r < N) mins[at] = w.mins(first, rows, k)[r % kRows];
+        }
         if (n + r >= N) {
           v[r] = _mm512_setzero_si512();
-          *step = *min = 0.0f;
-          continue;
+        } else if constexpr (kPer == 1) {
+          v[r] = w.widen32(first, rows, r % kRows, b * kBlock);
+        } else {
+          const __m256i next = count > 1 ? w.bytes32(first, rows, r % kRows, (b + 1) * kBlock)
+                                         : _mm256_setzero_si256();
+          v[r] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(w.bytes32(first, rows, r % kRows, b * kBlock)), next, 1);
         }
-        v[r] = w.widen32(first, rows, r % kRows, k);
-        *step = w.steps(first, rows, k)[r % kRows];
-        *min = 0.0f;
-        if constexpr (W::kMins) *min = w.mins(first, rows, k)[r % kRows];
       }
-      transpose(v);
-      for (int64_t p = 0; p < kLanes; ++p) pairs[b * kLanes + p] = v[p];
+      transpose(v);  // 16 words a row: a block's word p of every row in v[p], two blocks' bytes
+      for (int64_t p = 0; p < kLanes; ++p) words[b * kWords + p] = v[p];
     }
   }
 };
 
 // tile x rows from row m against the 16 W rows of `lanes` (the first `rows` real): per block,
-// each pair of a row's exact int32 sums (vpdpwssd), scaled as the AVX2 product scales them.
-template <int64_t tile, bool mins, typename T>
-void dot(const RoundedX& x, int64_t m, const Lanes& lanes, int64_t rows, T* out, int64_t ldo) {
+// each row's exact int32 sum of W times x (vpdpwssd on int16 pairs; vpdpbusd on W's unsigned
+// bytes and x's int8, four at a time), scaled as the AVX2 product scales them.
+template <int64_t tile, bool mins, typename Q, typename T>
+void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T* out,
+         int64_t ldo) {
+  constexpr int64_t kWords = Lanes<Q>::kWords, kPerWord = 4 / sizeof(Q);
   __m512 acc[tile];
   for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m512i dots[tile];
     for (int64_t t = 0; t < tile; ++t) dots[t] = _mm512_setzero_si512();
-    const int16_t* xq = x.q.data() + m * x.K + b * kBlock;
-    const __m512i* w = lanes.pairs.data() + b * kLanes;
+    const Q* xq = x.q.data() + m * x.K + b * kBlock;
+    const __m512i* w = lanes.words.data() + b * kWords;
 #pragma GCC unroll 16
-    for (int64_t p = 0; p < kLanes; ++p) {
+    for (int64_t p = 0; p < kWords; ++p) {
       const __m512i wv = _mm512_load_si512(w + p);
 #pragma GCC unroll 8
       for (int64_t t = 0; t < tile; ++t) {
-        int32_t pair;
-        std::memcpy(&pair, xq + t * x.K + 2 * p, sizeof pair);
-        dots[t] = _mm512_dpwssd_epi32(dots[t], wv, _mm512_set1_epi32(pair));
+        int32_t word;
+        std::memcpy(&word, xq + t * x.K + kPerWord * p, sizeof word);
+        if constexpr (sizeof(Q) == 1) {
+          dots[t] = _mm512_dpbusd_epi32(dots[t], wv, _mm512_set1_epi32(word));
+        } else {
+          dots[t] = _mm512_dpwssd_epi32(dots[t], wv, _mm512_set1_epi32(word));
+        }
       }
     }
     const __m512 steps = _mm512_loadu_ps(lanes.steps.data() + b * kLanes);
@@ -329,12 +368,13 @@ void dot(const RoundedX& x, int64_t m, const Lanes& lanes, int64_t rows, T* out,
   }
 }
 
-// out [M, N] = x [M, K] W^T: a task widens 16 W rows once and every x row passes over them.
-template <typename T, typename W>
+// out [M, N] = x [M, K] W^T, x rounded to integers Q (int8 only for kNibbles formats): a task
+// widens 16 W rows once and every x row passes over them.
+template <typename Q, typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
-  const RoundedX xr(x, M, K);
+  const RoundedX<Q> xr(x, M, K);
   at::parallel_for(0, (N + kLanes - 1) / kLanes, 1, [&](int64_t begin, int64_t end) {
-    Lanes lanes(K / kBlock);
+    Lanes<Q> lanes(K / kBlock);
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n = g * kLanes, rows = std::min(kLanes, N - n);
       lanes.fill(w, n, N);
@@ -363,28 +403,33 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
 
 namespace integer {
 
-// Whether this build's int4 and int8 products round x to 16 bits a block for a call of `rows`
-// rows of x (see above).
-inline bool rounds_x([[maybe_unused]] int64_t rows) {
+// The bits this build's int4 (nibbles) or int8 product rounds x to a block for a call of `rows`
+// rows of x, asked for `bits` (8 or 16; see above), 0 where it reads x as it is: 8 only for
+// int4's nibbles past a decode step on AVX-512 VNNI, 16 otherwise.
+inline int64_t x_bits([[maybe_unused]] bool nibbles, [[maybe_unused]] int64_t rows,
+                      int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits are 8 or 16, not ", bits);
 #if SURGE_INTEGER_AVX2
-  return true;
+  return 16;
 #elif SURGE_INTEGER_VNNI
-  return rows > dequant::kTile;
+  return rows > dequant::kTile ? (nibbles && bits == 8 ? 8 : 16) : 0;
 #else
-  return false;
+  return 0;
 #endif
 }
 
-// y = x W^T for the int4 and int8 formats: the integer product where rounds_x(rows) (the
+// y = x W^T for the int4 and int8 formats: the integer product where x_bits (the
 // builds above), else dequant::linear's fp32 products. On AVX2, past kTile rows those take x
 // rounded as the integer sums read it, so that a row's values agree across the two to fp32
 // rounding: there the fp32 FMAs are as fast, and 1.1x faster at 64 rows than the integer
 // product's per-block scaling (AVX2-only AMD EPYC).
 template <typename W>
-at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const W& w, int64_t N, int64_t bits = 16) {
+  const int64_t M = x.size(0);
+  [[maybe_unused]] const int64_t read = x_bits(W::kNibbles, M, bits);
 #if SURGE_INTEGER_AVX2 || SURGE_INTEGER_VNNI
-  const int64_t M = x.size(0), K = x.size(1);
-  if (rounds_x(M)) {
+  const int64_t K = x.size(1);
+  if (read) {
     auto xf = x.to(at::kFloat).contiguous();
 #if SURGE_INTEGER_AVX2
     if (M > dequant::kTile)
@@ -393,7 +438,14 @@ at::Tensor linear(const at::Tensor& x, const W& w, int64_t N) {
     auto out = at::empty({M, N}, x.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
                                     "integer::linear", [&] {
+#if SURGE_INTEGER_VNNI
+      if constexpr (W::kNibbles)
+        if (read == 8)
+          return product<int8_t>(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
+      product<int16_t>(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
+#else
       product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
+#endif
     });
     return out;
   }

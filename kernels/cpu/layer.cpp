@@ -68,11 +68,12 @@ int64_t cpp_rows() { return amx_available() ? kAmxRows : onednn_bf16() ? kSmallR
 namespace {
 
 // A projection's weights: [W] or [W, oneDNN's copy] (bf16), [int8_pack's int8 blob] or
-// [int4_pack's uint8 blob].
-at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w) {
+// [int4_pack's uint8 blob] (its product rounding x to activation_bits).
+at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                   int64_t activation_bits) {
   TORCH_CHECK(w.size() == 1 || w.size() == 2, "a projection is [W], [W, packed W] or [blob]");
   if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0]);
-  if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0]);
+  if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0], activation_bits);
   return ::linear(x, w[0], w.size() == 2 ? std::optional<at::Tensor>(w[1]) : std::nullopt);
 }
 
@@ -81,13 +82,14 @@ at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w) {
 // x [T, hidden], residual (None before the first layer) -> (x, residual) for the next layer:
 // norm, qkv, rotary with the K/V store, paged attention over every row (rows: their tables
 // row seq_of and visible keys, decode and prefill alike; the first shared_rows begin with
-// shared_keys keys in common), o, norm, gate_up, SiLU * up, down.
+// shared_keys keys in common), o, norm, gate_up, SiLU * up, down (int4 projections rounding x
+// to activation_bits).
 std::vector<at::Tensor> decoder_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const at::Tensor& input_norm, const std::vector<at::Tensor>& qkv,
     const std::vector<at::Tensor>& o, const at::Tensor& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    int64_t activation_bits, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
     const at::Tensor& seq_of, const at::Tensor& visible, int64_t shared_rows,
     int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap) {
@@ -101,12 +103,14 @@ std::vector<at::Tensor> decoder_layer(
     res = x;
   }
   const int64_t t = x.size(0), kv_heads = k_cache.size(0), dim = k_cache.size(3);
-  auto q_k_v = project(h, qkv).view({t, heads + 2 * kv_heads, dim});
+  auto q_k_v = project(h, qkv, activation_bits).view({t, heads + 2 * kv_heads, dim});
   rotate_and_store(q_k_v.narrow(1, 0, heads + kv_heads),
                    q_k_v.narrow(1, heads + kv_heads, kv_heads), cos, sin, k_cache, v_cache,
                    slots);
   auto attended = paged_attention(q_k_v.narrow(1, 0, heads), k_cache, v_cache, tables, seq_of,
                                   visible, scale, window, softcap, shared_rows, shared_keys);
-  auto normed = add_rms_norm(project(attended.view({t, heads * dim}), o), res, mlp_norm, eps);
-  return {project(silu_mul(project(normed[0], gate_up)), down), normed[1]};
+  auto normed = add_rms_norm(project(attended.view({t, heads * dim}), o, activation_bits), res,
+                             mlp_norm, eps);
+  auto up = silu_mul(project(normed[0], gate_up, activation_bits));
+  return {project(up, down, activation_bits), normed[1]};
 }
