@@ -193,7 +193,9 @@ def main() -> None:
           f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
-          f"{'plain us':>9} {'int4 us':>9} {'int8 us':>9} {'c++ GB/s':>8} {'amx':>7} "
+          f"{'plain us':>9} {'int4 us':>9} {'int4a8 us':>9} {'int8 us':>9} {'int8a8 us':>9} "
+          f"{'c++ GB/s':>8} "
+          f"{'amx':>7} "
           f"{'onednn':>7}")
     rows_out = []
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
@@ -210,7 +212,9 @@ def main() -> None:
                 "cpp": lambda x=x, w=weight: ext.small_m_linear(x, w),
                 "plain": lambda x=x, w=weight: F.linear(x, w),
                 "int4": lambda x=x, q4=q4: ext.int4_linear(x, q4),
+                "int4a8": lambda x=x, q4=q4: ext.int4_linear(x, q4, 8),
                 "int8": lambda x=x, q8=q8: ext.int8_linear(x, q8),
+                "int8a8": lambda x=x, q8=q8: ext.int8_linear(x, q8, 8),
             }
             if packed is not None:
                 fns["onednn"] = lambda x=x, p=packed: p(x)
@@ -221,7 +225,9 @@ def main() -> None:
             nan = float("nan")
             print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
                   f"{t.get('onednn', nan) * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
-                  f"{t['int4'] * 1e6:>9.1f} {t['int8'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} "
+                  f"{t['int4'] * 1e6:>9.1f} {t['int4a8'] * 1e6:>9.1f} {t['int8'] * 1e6:>9.1f} "
+                  f"{t['int8a8'] * 1e6:>9.1f} "
+                  f"{gbs['cpp']:>8.1f} "
                   f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f}")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},

@@ -5,6 +5,7 @@ unquantized model on the reference prompts, for none / int8 / int4 / fp8.
 
 Usage: .venv/bin/python -m bench.quant_accuracy [--modes none,int8,int4,fp8] [--dtype float32]
        [--tokens 2048] [--new-tokens 32] [--group-size 32] [--kernel-backend cpu] [--alone]
+       (int4a8, int8a8: int4 and int8 with --quant-activation-bits 8, on --kernel-backend cpu)
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def agreement(base: list[int], other: list[int]) -> int:
 
 
 def load(mode: str, dtype: torch.dtype, group: int, backend: str = "reference") -> LlamaModel:
+    """mode: none, int8, int4, fp8, or int4a8 / int8a8 (--quant-activation-bits 8)."""
     model = load_model(resolve_model("default"), torch.device("cpu"), dtype,
-                       keep_blocks=mode == "int4")
+                       keep_blocks=mode.startswith("int4"))
     model.ops = kernels.for_device(torch.device("cpu"), backend)
     if mode != "none":
-        quantize_model(model, mode, group, ops=model.ops)
+        quantize_model(model, mode.removesuffix("a8"), group, ops=model.ops,
+                       activation_bits=8 if mode.endswith("a8") else 16)
     return model
 
 

@@ -26,8 +26,8 @@ def fuse_layers(model: LlamaModel) -> bool:
 
 
 def layer_weights(layer: DecoderLayer) -> tuple | None:
-    """(input norm, qkv, o, MLP norm, gate_up, down, the int4 products' activation bits) as
-    decoder_layer takes them, or None."""
+    """(input norm, qkv, o, MLP norm, gate_up, down, the int4 and int8 products' activation
+    bits) as decoder_layer takes them, or None."""
     attn, mlp = layer.attn, layer.mlp
     if (attn.qkv_bias is not None or attn.q_norm is not None or attn.tp.size > 1
             or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
@@ -39,7 +39,7 @@ def layer_weights(layer: DecoderLayer) -> tuple | None:
         return None
     qkv, o, gate_up, down = projections
     bits = {p.activation_bits for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                        mlp.down_proj) if isinstance(p, Int4Linear)}
+                                        mlp.down_proj) if isinstance(p, Int4Linear | Int8Linear)}
     if len(bits) > 1:
         return None
     return (layer.input_norm, qkv, o, layer.mlp_norm, gate_up, down,

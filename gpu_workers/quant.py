@@ -63,13 +63,16 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """On a backend with its own int8 product (cpu, whole blocks of 32 columns) the scales stay
     fp32, in the layout its pack_int8 makes, and may be a GGUF Q8_0 tensor's own (`blocks`: q
-    and a scale per block of 32 columns); PyTorch's operator takes one scale per output channel
-    in the activations' dtype."""
+    and a scale per block of 32 columns), its integer sums rounding x to activation_bits (8 or
+    16, see --quant-activation-bits); PyTorch's operator takes one scale per output channel in
+    the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, ops: Kernels = kernels.REFERENCE,
-                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 activation_bits: int = 16) -> None:
         super().__init__()
         self.ops = ops
+        self.activation_bits = activation_bits
         self.cpp = ops.int8_linear is not None and weight.shape[1] % 32 == 0
         if blocks is not None and not self.cpp:
             raise ValueError("int8 with a scale per block of 32 columns needs the cpu kernels")
@@ -84,7 +87,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (the model's tokens are flat) -> [T, out]."""
         if self.cpp:
-            return self.ops.int8_linear(x, self.packed)
+            return self.ops.int8_linear(x, self.packed, self.activation_bits)
         if self.fast:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return F.linear(x, self.q.to(x.dtype)) * self.scales
@@ -153,11 +156,11 @@ class FP8Linear(nn.Module):
 def quantized(linear: nn.Module, weight: torch.Tensor, mode: str, group: int,
               ops: Kernels = kernels.REFERENCE, activation_bits: int = 16) -> nn.Module:
     """The quantized replacement of `linear` (whose weight is `weight`), for the kernels
-    `ops` (the C++ backend has int8 and int4 products of its own; its int4 one rounds x to
+    `ops` (the C++ backend has int8 and int4 products of its own, which round x to
     activation_bits)."""
     weight = weight.detach()
     if mode == "int8":
-        return Int8Linear(weight, ops)
+        return Int8Linear(weight, ops, activation_bits=activation_bits)
     if mode == "int4":
         # A GGUF's Q4_1 blocks are groups of 32 on a grid of their own: keep exactly those.
         grid = getattr(linear, "q4_1", None)
@@ -173,7 +176,7 @@ def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
     """Every decoder-layer projection becomes a quantized linear; the embedding stays, and so
     does the LM head unless `head` (a tied head then gets a quantized copy of the embedding),
     or unless int4 keeps a GGUF's Q8_0 head as the file holds it (the loader's q8_0 blocks).
-    activation_bits: what the C++ int4 product rounds x to (--quant-activation-bits)."""
+    activation_bits: what the C++ int4 and int8 products round x to (--quant-activation-bits)."""
     for layer in model.layers:
         for parent in (layer.attn, layer.mlp):
             for name, child in list(parent.named_children()):
@@ -186,4 +189,4 @@ def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
     if head:
         model.lm_head = quantized(source, source.weight, mode, group, ops, activation_bits)
     elif (blocks := getattr(source, "q8_0", None)) is not None and ops.int8_linear is not None:
-        model.lm_head = Int8Linear(source.weight, ops, blocks)
+        model.lm_head = Int8Linear(source.weight, ops, blocks, activation_bits)

@@ -157,10 +157,10 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
 
 def _activation_note(cfg: ModelConfig, ops: kernels.Kernels) -> str:
     """The start-up line's word on --quant-activation-bits 8, which only the cpu kernels' int4
-    product on AVX-512 VNNI takes (past a decode step's 4 rows)."""
-    if cfg.quantization != "int4" or cfg.quant_activation_bits == 16:
+    and int8 products on AVX-512 VNNI take (past a decode step's 4 rows)."""
+    if cfg.quantization not in ("int4", "int8") or cfg.quant_activation_bits == 16:
         return ""
-    if ops.name == "cpu" and matmul_cpu.activation_bits("int4", 64, 8) == 8:
+    if ops.name == "cpu" and matmul_cpu.activation_bits(64, 8) == 8:
         return " (activations rounded to 8 bits a block past 4 rows)"
     return (" (--quant-activation-bits 8 has no effect here: only the cpu kernels on AVX-512 "
             "VNNI take it; activations keep 16 bits or their dtype)")

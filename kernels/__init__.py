@@ -55,8 +55,8 @@ class Kernels:
     decoder_layer: Callable | None = None
     # The backend's own int4 and int8 products, over weights it repacked once (int4_linear(x,
     # pack_int4(packed, scales, mins), activation_bits) computes kernels.matmul.int4_linear's
-    # product, and int8_linear(x, pack_int8(q, scales)) its int8_linear's), where it has them
-    # (cpu); None: gpu_workers/quant.py takes PyTorch's low-bit operators.
+    # product, and int8_linear(x, pack_int8(q, scales), activation_bits) its int8_linear's),
+    # where it has them (cpu); None: gpu_workers/quant.py takes PyTorch's low-bit operators.
     pack_int4: Callable | None = None
     int4_linear: Callable | None = None
     pack_int8: Callable | None = None

@@ -60,13 +60,12 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 1
     return extension().int4_linear(x, weights, activation_bits)
 
 
-def activation_bits(quantization: str, rows: int, asked: int = 16) -> int:
-    """The bits int4_linear or int8_linear ("int4", "int8") round x to, a block of 32 columns,
-    to sum in integers for a call of `rows` rows of x, int4_linear asked for `asked` (8 or
-    16); 0 where they read x as it is (kernels/cpu/integer_product.h: AVX2 builds without
-    AVX-512 16 bits at every row count; AVX-512 VNNI builds past the decode tile of 4, int4
-    as asked, int8 16)."""
-    return extension().activation_bits(quantization, rows, asked)
+def activation_bits(rows: int, asked: int = 16) -> int:
+    """The bits int4_linear and int8_linear round x to, a block of 32 columns, to sum in
+    integers for a call of `rows` rows of x, asked for `asked` (8 or 16); 0 where they read x
+    as it is (kernels/cpu/integer_product.h: AVX2 builds without AVX-512 16 bits at every row
+    count; AVX-512 VNNI builds as asked past the decode tile of 4)."""
+    return extension().activation_bits(rows, asked)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -75,6 +74,8 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return extension().int8_pack(q, scales[:, None] if scales.dim() == 1 else scales)
 
 
-def int8_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x W^T for W as pack_int8 packed it, as kernels.matmul.int8_linear computes it."""
-    return extension().int8_linear(x, weights)
+def int8_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 16
+                ) -> torch.Tensor:
+    """x W^T for W as pack_int8 packed it, as kernels.matmul.int8_linear computes it, x rounded
+    to activation_bits (8 or 16) where the product sums in integers (see activation_bits)."""
+    return extension().int8_linear(x, weights, activation_bits)

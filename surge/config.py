@@ -71,12 +71,12 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 32
     quant_activation_bits: Annotated[
         Literal[8, 16],
-        Meta(description="int4 on the cpu kernels with AVX-512 VNNI, past 4 rows (batched "
-             "decode, prefill chunks): the bits each block of 32 activations is rounded to for "
-             "the integer sums. 8 is llama.cpp's Q8_1 rounding: a faster product (about bf16's "
-             "speed at 64 rows, faster past 256) that changes about 1 in 50 of the model's "
-             "next-token picks; 16 changes none. Other CPUs and devices keep 16 bits or the "
-             "activations' dtype"),
+        Meta(description="int4 and int8 weights on the cpu kernels with AVX-512 VNNI, past 4 "
+             "rows (batched decode, prefill chunks): the bits each block of 32 activations is "
+             "rounded to for the integer sums. 8 rounds as llama.cpp does (Q8_1): faster "
+             "products (about bf16's speed at 64 rows, faster past 256) that change about 1 in "
+             "50 of the model's next-token picks; 16 changes none. Other CPUs and devices keep "
+             "16 bits or the activations' dtype"),
     ] = 16
     quantize_lm_head: Annotated[
         bool, Meta(description="quantize the LM head too, to the layers' mode (the embedding "

@@ -306,7 +306,7 @@ def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
             logits[bits, fused] = model.logits(prefill_hidden(model, ids))
     assert torch.equal(logits[16, False], logits[16, True])
     assert torch.equal(logits[8, False], logits[8, True])
-    takes_8 = matmul_cpu.activation_bits("int4", len(ids), 8) == 8
+    takes_8 = matmul_cpu.activation_bits(len(ids), 8) == 8
     assert torch.equal(logits[8, True], logits[16, True]) != takes_8
 
 
@@ -564,14 +564,13 @@ def test_q4_packing_round_trips():
 
 
 def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> torch.Tensor:
-    """x (float64) as the int4, int4a8 (int4 asked for 8-bit activations) or int8 product
+    """x (float64) as the int4 or int8 product (int4a8, int8a8: asked for 8-bit activations)
     reads it in a call of `rows` rows (x's own by default). Where it sums in integers
     (matmul_cpu.activation_bits), each block of 32 columns is rounded (to nearest even) to
     multiples of a step: to 16 bits, a power of two that puts the block's largest |x| in
     [2^14, 2^15) steps; to 8, the largest over 127 (fp32, as x times the step's fp32 inverse),
     never under the least normal float."""
-    bits = matmul_cpu.activation_bits(quantization[:4], rows or x.shape[0],
-                                      8 if quantization == "int4a8" else 16)
+    bits = matmul_cpu.activation_bits(rows or x.shape[0], _asked(quantization))
     if not bits:
         return x.double()
     blocks = x.float().view(x.shape[0], -1, 32)
@@ -583,6 +582,11 @@ def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> tor
         step = (largest / 127).clamp(min=torch.finfo(torch.float32).tiny)
         rounded = (blocks * (1 / step)).round().clamp(-127, 127).double() * step.double()
     return torch.where(largest > 0, rounded, 0.0).view_as(x)
+
+
+def _asked(quantization: str) -> int:
+    """The activation bits a test's weight mode asks for: int4a8 and int8a8 8, else 16."""
+    return 8 if quantization.endswith("a8") else 16
 
 
 def _assert_near_the_reference(got: torch.Tensor, reference: torch.Tensor, x: torch.Tensor,
@@ -610,7 +614,7 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quan
     mins = -torch.rand(n, k // group)
     x = torch.randn(m, k).to(dtype)
     got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),
-                                 8 if quantization == "int4a8" else 16)
+                                 _asked(quantization))
     assert got.shape == (m, n) and got.dtype == dtype
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
@@ -632,14 +636,15 @@ def test_low_bit_weights_refuse_another_width(quantization):
         product(torch.randn(1, 96), weights)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 50),
        st.sampled_from([0, 32, 64]),
-       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seeds)
-def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, seed):
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from(["int8", "int8a8"]), seeds)
+def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, quantization, seed):
     """Against the float64 product of the dequantized weight (x as the product reads it):
     the scales, one a row (group 0) or one a group of 32 or 64 columns (a GGUF's Q8_0 is 32),
-    reach the sums unrounded (fp32), whatever the rows, widths and dtype."""
+    reach the sums unrounded (fp32), whatever the rows, widths, dtype and activation bits."""
     from gpu_workers.quant import quantize_int8
 
     torch.manual_seed(seed)
@@ -648,36 +653,37 @@ def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, seed
     if group:
         scales = torch.rand(n, k // group) * 0.01 + 1e-4
     x = torch.randn(m, k).to(dtype)
-    got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales))
+    got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales), _asked(quantization))
     assert got.shape == (m, n) and got.dtype == dtype
     per_column = scales[:, None] if scales.dim() == 1 else scales
     w = q.double() * per_column.double().repeat_interleave(k // per_column.shape[1], 1)
-    exact = _as_read(x, "int8") @ w.T
+    exact = _as_read(x, quantization) @ w.T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
-    _assert_near_the_reference(got, matmul_ref.int8_linear(x, q, scales), x, w, "int8")
+    _assert_near_the_reference(got, matmul_ref.int8_linear(x, q, scales), x, w, quantization)
 
 
 def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.Tensor]:
-    """(weights, their C++ product, W dequantized in float64) for int4, int4a8 (int4 asked for
-    8-bit activations) or int8."""
+    """(weights, their C++ product, W dequantized in float64) for int4 or int8 (int4a8,
+    int8a8: the product asked for 8-bit activations)."""
     from gpu_workers.quant import quantize_int8
 
-    if quantization == "int8":
+    bits = _asked(quantization)
+    if quantization.startswith("int8"):
         q, scales = quantize_int8(torch.randn(n, k))
         weights = (matmul_cpu.pack_int8(q, scales),)
-        return weights, matmul_cpu.int8_linear, q.double() * scales.double()[:, None]
+        return (weights, partial(matmul_cpu.int8_linear, activation_bits=bits),
+                q.double() * scales.double()[:, None])
     q = torch.randint(0, 16, (n, k))
     scales, mins = torch.rand(n, k // 32) * 0.1, -torch.rand(n, k // 32)
     weights = (matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),)
     w = (q.double() * scales.double().repeat_interleave(32, 1)
          + mins.double().repeat_interleave(32, 1))
-    bits = 8 if quantization == "int4a8" else 16
     return weights, partial(matmul_cpu.int4_linear, activation_bits=bits), w
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8", "int8a8"])
 def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
     """Up to 2 rows (4 with AVX-512: a decode step) W is read into registers, past them it goes
     through a buffer (AVX2: fp32 tiles; AVX-512 VNNI: integer sums with a W row a lane), so the
@@ -697,9 +703,8 @@ def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
             assert torch.equal(product(x[row:row + 1].to(dtype), *weights), pair[row:row + 1])
         if dtype != torch.float32:
             continue
-        asked = 8 if quantization == "int4a8" else 16
-        bits = (matmul_cpu.activation_bits(quantization[:4], 2, asked),
-                matmul_cpu.activation_bits(quantization[:4], 19, asked))
+        bits = (matmul_cpu.activation_bits(2, _asked(quantization)),
+                matmul_cpu.activation_bits(19, _asked(quantization)))
         if bits == (0, 0):
             assert torch.equal(pair, batch[:2])
         elif bits[0] == bits[1]:
@@ -710,7 +715,7 @@ def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
                     <= moved + 1e-5 * (1 + batch[:2].double().abs())).all()
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8", "int8a8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 11])
 def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, rows):
     """A NaN or an infinity in x makes its own row's outputs non-finite, as fp32 sums would,
@@ -730,7 +735,7 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
         assert ((got[2:].double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8", "int8a8"])
 def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
     """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole
     (AVX-512 VNNI builds: the integer sums still): still the fp32 dequantized weights, within
@@ -795,7 +800,7 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
         assert (matmul_cpu.describe_rows() in log) == \
             (dtype == "bfloat16")
         assert (f"{quantization[:4]} weights" in log) == (quantization != "none")
-        takes_8 = a8 and matmul_cpu.activation_bits("int4", 64, 8) == 8
+        takes_8 = a8 and matmul_cpu.activation_bits(64, 8) == 8
         assert ("(activations rounded to 8 bits a block past 4 rows)" in log) == takes_8
         assert ("--quant-activation-bits 8 has no effect here" in log) == (a8 and not takes_8)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)

@@ -13,11 +13,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x W^T, W = q * scale + min per group (Q4_1), fp32 sums",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);
   m.def("activation_bits", &activation_bits,
-        "the bits int4_linear or int8_linear round x to a block (integer sums) at these rows, "
-        "asked for 8 or 16 (int4_linear's activation_bits), 0: none",
-        pybind11::arg("quantization"), pybind11::arg("rows"), pybind11::arg("asked") = 16);
+        "the bits int4_linear and int8_linear round x to a block (integer sums) at these rows, "
+        "asked for 8 or 16 (their activation_bits), 0: none",
+        pybind11::arg("rows"), pybind11::arg("asked") = 16);
   m.def("int8_pack", &int8_pack, "int8 values and scales a row or a block in int8_linear's layout");
-  m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums");
+  m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums",
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");

@@ -6,7 +6,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
-#include <string>
 
 #include "integer_product.h"
 #include "records.h"
@@ -32,7 +31,7 @@ struct Int4W {
 
   // integer_product.h's interface: the nibbles as they are, the steps and minimums beside.
   static constexpr bool kMins = true;
-  static constexpr bool kNibbles = true;
+  static constexpr bool kSigned = false;
   const float* steps(int64_t n, int64_t rows, int64_t k) const {
     return reinterpret_cast<const float*>(record(n, rows, k) + rows * kBlock / 2);
   }
@@ -121,8 +120,4 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob, int64_t acti
   return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0), activation_bits);
 }
 
-int64_t activation_bits(const std::string& quantization, int64_t rows, int64_t asked) {
-  TORCH_CHECK(quantization == "int4" || quantization == "int8",
-              "activation_bits: quantization int4 or int8, not ", quantization);
-  return integer::x_bits(quantization == "int4", rows, asked);
-}
+int64_t activation_bits(int64_t rows, int64_t asked) { return integer::x_bits(rows, asked); }

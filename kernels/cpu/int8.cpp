@@ -29,12 +29,14 @@ struct Int8W {
 
   // integer_product.h's interface: the values as they are, the scales beside.
   static constexpr bool kMins = false;
-  static constexpr bool kNibbles = false;
+  static constexpr bool kSigned = true;
   const float* steps(int64_t n, int64_t rows, int64_t k) const { return scales(n, rows, k); }
 #if defined(__AVX512BW__)
   __m512i widen32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
-    return _mm512_cvtepi8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record(n, rows, k) + r * kBlock)));
+    return _mm512_cvtepi8_epi16(bytes32(n, rows, r, k));
+  }
+  __m256i bytes32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record(n, rows, k) + r * kBlock));
   }
 #endif
 #if defined(__AVX512F__)
@@ -86,7 +88,7 @@ at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales) {
   return records::pack(q.view(at::kByte), {scales}, layout(K)).view(at::kChar);
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits) {
   const records::Layout w = records::check("int8_linear", "int8_pack", x, blob, at::kChar, layout);
-  return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, blob.size(0));
+  return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, blob.size(0), activation_bits);
 }

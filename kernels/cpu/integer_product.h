@@ -15,21 +15,22 @@
 // bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int8 path keeps
 // what the activations carry, as the fp32 path did, rather than a precision loss of its own.
 // Both builds round alike and scale a block's sum alike, so they give a row the same bits.
-// int4 on AVX-512 VNNI past a decode step is the exception: there x is rounded to 8 bits a block
-// as llama.cpp's Q8_1 rounds it (the largest |x| at 127 steps), so that vpdpbusd sums four of
-// W's unsigned nibbles times x at once, twice vpdpwssd's (and oneDNN's bf16) products an
-// instruction: without it the int4 product ran at 0.72-0.80x oneDNN's bf16 one at 64 rows. The
-// error it adds (at most half a step, 1/254 of the block's largest |x|) is a twentieth of what
-// rounding W to 4 bits already moves a sum by.
+// Asked for 8 bits (--quant-activation-bits 8), AVX-512 VNNI past a decode step rounds x to 8
+// bits a block as llama.cpp's Q8_1 and Q8_0 do (the largest |x| at 127 steps), so that vpdpbusd
+// sums four products at once, twice vpdpwssd's (and oneDNN's bf16) an instruction: at 16 bits
+// the int4 product runs at 0.72-0.80x oneDNN's bf16 one at 64 rows. vpdpbusd takes one operand
+// unsigned: int4's nibbles are; int8's W stays signed and x goes in offset by 128 (q + 128),
+// the sums starting at -128 times each W row's block sum to take the offset back out. The
+// error this rounding adds (at most half a step, 1/254 of the block's largest |x|) is smaller
+// than what rounding W to 4 bits moves a sum by, but not nothing: see --quant-activation-bits.
 //
 // A format adds, for these builds,
 //   kMins                       whether W has a minimum per block (int4) or not (int8),
 //   widen16(n, rows, r, k, w)   W[n + r, k:k+16] and W[n + r, k+16:k+32] as int16 in w[0], w[1]
 //                               (AVX2),
 //   widen32(n, rows, r, k)      W[n + r, k:k+32] as 32 int16 in one vector (AVX-512),
-//   kNibbles                    whether W's integers are unsigned 4-bit ones (int4: x rounds
-//                               to 8 bits past a decode step on AVX-512 VNNI),
-//   bytes32(n, rows, r, k)      then W[n + r, k:k+32] as 32 unsigned bytes (AVX-512),
+//   kSigned                     whether W's integers are signed (int8) or not (int4's nibbles),
+//   bytes32(n, rows, r, k)      W[n + r, k:k+32] as 32 bytes (AVX-512, for 8-bit x),
 //   steps(n, rows, k)           the rows' scales at columns [k, k + 32), `rows` floats,
 //   mins(n, rows, k)            and their minimums (kMins formats).
 #pragma once
@@ -279,16 +280,18 @@ inline void transpose(__m512i (&v)[kLanes]) {
 }
 
 // W rows [n, n + 16) (fewer at N) as the tiles read them, once a call: each block's words of
-// the 16 rows (lane r: row r's column pair as two int16, or its 4 columns as unsigned bytes for
-// Q int8), then the rows' steps and minimums.
+// the 16 rows (lane r: row r's column pair as two int16, or its 4 columns as bytes for Q int8),
+// then the rows' steps and minimums, and for signed bytes the sums' start (-128 times the
+// row's block sum: x goes in offset by 128).
 template <typename Q>
 struct Lanes {
   static constexpr int64_t kWords = kBlock * sizeof(Q) / 4;  // a block's words a row: 16 or 8
   std::vector<__m512i> words;       // [blocks][kWords]
   std::vector<float> steps, mins;   // [blocks][16]
+  std::vector<int32_t> start;       // [blocks][16]
 
   explicit Lanes(int64_t blocks) : words(blocks * kWords + kWords), steps(blocks * kLanes),
-                                   mins(blocks * kLanes) {}
+                                   mins(blocks * kLanes), start(blocks * kLanes + kLanes) {}
 
   template <typename W>
   void fill(const W& w, int64_t n, int64_t N) {
@@ -315,7 +318,19 @@ struct Lanes {
                                          : _mm256_setzero_si256();
           v[r] = _mm512_inserti64x4(
               _mm512_castsi256_si512(w.bytes32(first, rows, r % kRows, b * kBlock)), next, 1);
+          if constexpr (W::kSigned) {
+            // Each 8 bytes' sum of w + 128 (as unsigned): the two blocks' halves, less 32 * 128.
+            const __m512i eights = _mm512_sad_epu8(
+                _mm512_xor_si512(v[r], _mm512_set1_epi8(static_cast<char>(0x80))),
+                _mm512_setzero_si512());
+            for (int64_t j = 0; j < 2; ++j)
+              start[(b + j) * kLanes + r] = -128 * static_cast<int32_t>(
+                  _mm512_mask_reduce_add_epi64(static_cast<__mmask8>(0x0F << (4 * j)), eights)
+                  - 32 * 128);
+          }
         }
+        if constexpr (W::kSigned && kPer > 1)
+          if (n + r >= N) start[b * kLanes + r] = start[(b + 1) * kLanes + r] = 0;
       }
       transpose(v);  // 16 words a row: a block's word p of every row in v[p], two blocks' bytes
       for (int64_t p = 0; p < kLanes; ++p) words[b * kWords + p] = v[p];
@@ -324,17 +339,21 @@ struct Lanes {
 };
 
 // tile x rows from row m against the 16 W rows of `lanes` (the first `rows` real): per block,
-// each row's exact int32 sum of W times x (vpdpwssd on int16 pairs; vpdpbusd on W's unsigned
-// bytes and x's int8, four at a time), scaled as the AVX2 product scales them.
-template <int64_t tile, bool mins, typename Q, typename T>
+// each row's exact int32 sum of W times x (vpdpwssd on int16 pairs; vpdpbusd on bytes, four at
+// a time: int4's unsigned nibbles times x's int8, or x + 128 times int8's signed values), scaled
+// as the AVX2 product scales them.
+template <int64_t tile, bool mins, bool is_signed, typename Q, typename T>
 void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T* out,
          int64_t ldo) {
   constexpr int64_t kWords = Lanes<Q>::kWords, kPerWord = 4 / sizeof(Q);
+  constexpr bool kOffset = sizeof(Q) == 1 && is_signed;
   __m512 acc[tile];
   for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m512i dots[tile];
-    for (int64_t t = 0; t < tile; ++t) dots[t] = _mm512_setzero_si512();
+    const __m512i first = kOffset ? _mm512_loadu_si512(lanes.start.data() + b * kLanes)
+                                  : _mm512_setzero_si512();
+    for (int64_t t = 0; t < tile; ++t) dots[t] = first;
     const Q* xq = x.q.data() + m * x.K + b * kBlock;
     const __m512i* w = lanes.words.data() + b * kWords;
 #pragma GCC unroll 16
@@ -344,7 +363,9 @@ void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T
       for (int64_t t = 0; t < tile; ++t) {
         int32_t word;
         std::memcpy(&word, xq + t * x.K + kPerWord * p, sizeof word);
-        if constexpr (sizeof(Q) == 1) {
+        if constexpr (kOffset) {  // each byte's top bit flipped: q + 128, unsigned
+          dots[t] = _mm512_dpbusd_epi32(dots[t], _mm512_set1_epi32(word ^ 0x80808080), wv);
+        } else if constexpr (sizeof(Q) == 1) {
           dots[t] = _mm512_dpbusd_epi32(dots[t], wv, _mm512_set1_epi32(word));
         } else {
           dots[t] = _mm512_dpwssd_epi32(dots[t], wv, _mm512_set1_epi32(word));
@@ -368,8 +389,8 @@ void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T
   }
 }
 
-// out [M, N] = x [M, K] W^T, x rounded to integers Q (int8 only for kNibbles formats): a task
-// widens 16 W rows once and every x row passes over them.
+// out [M, N] = x [M, K] W^T, x rounded to integers Q: a task widens 16 W rows once and every x
+// row passes over them.
 template <typename Q, typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
   const RoundedX<Q> xr(x, M, K);
@@ -380,7 +401,8 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
       lanes.fill(w, n, N);
       for (int64_t m = 0; m < M; m += kXTile) {
         auto run = [&](auto tile) {
-          dot<decltype(tile)::value, W::kMins>(xr, m, lanes, rows, out + m * N + n, N);
+          dot<decltype(tile)::value, W::kMins, W::kSigned>(xr, m, lanes, rows, out + m * N + n,
+                                                           N);
         };
         switch (std::min(kXTile, M - m)) {
           case 8: run(std::integral_constant<int64_t, 8>{}); break;
@@ -403,16 +425,15 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
 
 namespace integer {
 
-// The bits this build's int4 (nibbles) or int8 product rounds x to a block for a call of `rows`
-// rows of x, asked for `bits` (8 or 16; see above), 0 where it reads x as it is: 8 only for
-// int4's nibbles past a decode step on AVX-512 VNNI, 16 otherwise.
-inline int64_t x_bits([[maybe_unused]] bool nibbles, [[maybe_unused]] int64_t rows,
-                      int64_t bits) {
+// The bits this build's int4 and int8 products round x to a block for a call of `rows` rows of
+// x, asked for `bits` (8 or 16; see above), 0 where they read x as it is: 8 only past a decode
+// step on AVX-512 VNNI, 16 otherwise.
+inline int64_t x_bits([[maybe_unused]] int64_t rows, int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits are 8 or 16, not ", bits);
 #if SURGE_INTEGER_AVX2
   return 16;
 #elif SURGE_INTEGER_VNNI
-  return rows > dequant::kTile ? (nibbles && bits == 8 ? 8 : 16) : 0;
+  return rows > dequant::kTile ? bits : 0;
 #else
   return 0;
 #endif
@@ -426,7 +447,7 @@ inline int64_t x_bits([[maybe_unused]] bool nibbles, [[maybe_unused]] int64_t ro
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W& w, int64_t N, int64_t bits = 16) {
   const int64_t M = x.size(0);
-  [[maybe_unused]] const int64_t read = x_bits(W::kNibbles, M, bits);
+  [[maybe_unused]] const int64_t read = x_bits(M, bits);
 #if SURGE_INTEGER_AVX2 || SURGE_INTEGER_VNNI
   const int64_t K = x.size(1);
   if (read) {
@@ -439,9 +460,8 @@ at::Tensor linear(const at::Tensor& x, const W& w, int64_t N, int64_t bits = 16)
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
                                     "integer::linear", [&] {
 #if SURGE_INTEGER_VNNI
-      if constexpr (W::kNibbles)
-        if (read == 8)
-          return product<int8_t>(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
+      if (read == 8)
+        return product<int8_t>(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
       product<int16_t>(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);
 #else
       product(xf.data_ptr<float>(), M, K, N, out.data_ptr<scalar_t>(), w);

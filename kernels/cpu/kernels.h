@@ -32,10 +32,12 @@ void rotate_and_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& slots);
 at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
                      const at::Tensor& mins);
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits);
-int64_t activation_bits(const std::string& quantization, int64_t rows, int64_t asked);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob,
+                       int64_t activation_bits);
+int64_t activation_bits(int64_t rows, int64_t asked);
 at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob,
+                       int64_t activation_bits);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& packed);
 int64_t cpp_rows();
@@ -46,6 +48,7 @@ std::vector<at::Tensor> decoder_layer(
     const std::vector<at::Tensor>& o, const at::Tensor& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
     int64_t activation_bits, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
-    const at::Tensor& seq_of, const at::Tensor& visible, int64_t shared_rows,
-    int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap);
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+    const at::Tensor& tables, const at::Tensor& seq_of, const at::Tensor& visible,
+    int64_t shared_rows, int64_t shared_keys, int64_t heads, double eps, double scale,
+    int64_t window, double softcap);

@@ -68,11 +68,11 @@ int64_t cpp_rows() { return amx_available() ? kAmxRows : onednn_bf16() ? kSmallR
 namespace {
 
 // A projection's weights: [W] or [W, oneDNN's copy] (bf16), [int8_pack's int8 blob] or
-// [int4_pack's uint8 blob] (its product rounding x to activation_bits).
+// [int4_pack's uint8 blob] (their products rounding x to activation_bits).
 at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w,
                    int64_t activation_bits) {
   TORCH_CHECK(w.size() == 1 || w.size() == 2, "a projection is [W], [W, packed W] or [blob]");
-  if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0]);
+  if (w[0].scalar_type() == at::kChar) return int8_linear(x, w[0], activation_bits);
   if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0], activation_bits);
   return ::linear(x, w[0], w.size() == 2 ? std::optional<at::Tensor>(w[1]) : std::nullopt);
 }
@@ -82,17 +82,18 @@ at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w,
 // x [T, hidden], residual (None before the first layer) -> (x, residual) for the next layer:
 // norm, qkv, rotary with the K/V store, paged attention over every row (rows: their tables
 // row seq_of and visible keys, decode and prefill alike; the first shared_rows begin with
-// shared_keys keys in common), o, norm, gate_up, SiLU * up, down (int4 projections rounding x
-// to activation_bits).
+// shared_keys keys in common), o, norm, gate_up, SiLU * up, down (int4 and int8 projections
+// rounding x to activation_bits).
 std::vector<at::Tensor> decoder_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const at::Tensor& input_norm, const std::vector<at::Tensor>& qkv,
     const std::vector<at::Tensor>& o, const at::Tensor& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
-    int64_t activation_bits, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
-    const at::Tensor& seq_of, const at::Tensor& visible, int64_t shared_rows,
-    int64_t shared_keys, int64_t heads, double eps, double scale, int64_t window, double softcap) {
+    int64_t activation_bits, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+    const at::Tensor& tables, const at::Tensor& seq_of, const at::Tensor& visible,
+    int64_t shared_rows, int64_t shared_keys, int64_t heads, double eps, double scale,
+    int64_t window, double softcap) {
   at::Tensor h, res;
   if (residual) {
     auto normed = add_rms_norm(x, *residual, input_norm, eps);
