@@ -43,6 +43,8 @@ def test_env_config_path_and_bool_flags(tmp_path):
     ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
     ([], {}, "[server]\nprot = 1\n", "prot"),
     ([], {}, "[server\n", "cannot read"),
+    ([], {"SURGE_QUANT_ACTIVATION_BITS": "4"}, None, "quant_activation_bits"),
+    ([], {}, "[model]\nquant_activation_bits = 12\n", "quant_activation_bits"),
     # A secret that cannot sign would stop no event until the first one is sent.
     ([], {}, '[tenants.alpha]\nwebhook_secret = "whsec_not base64!"\n',
      r"tenants\.alpha\.webhook_secret: the base64 after whsec_ is malformed"),
@@ -85,6 +87,21 @@ def test_flags_refuse_values_outside_their_choices(capsys):
     with pytest.raises(SystemExit):
         _flags(["--dtype", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_a_number_choice_is_read_from_a_flag_the_environment_and_toml(tmp_path, capsys):
+    """--quant-activation-bits is Literal[8, 16]: a flag or variable spells it as text."""
+    flags = _flags(["--quant-activation-bits", "8"])
+    assert load_config(flags, {}).model.quant_activation_bits == 8
+    env = {"SURGE_QUANT_ACTIVATION_BITS": "8"}
+    assert load_config(_flags([]), env).model.quant_activation_bits == 8
+    path = tmp_path / "surge.toml"
+    path.write_text("[model]\nquant_activation_bits = 8\n")
+    assert load_config(_flags(["--config", str(path)]), {}).model.quant_activation_bits == 8
+    assert load_config(_flags([]), {}).model.quant_activation_bits == 16
+    with pytest.raises(SystemExit):
+        _flags(["--quant-activation-bits", "4"])
+    assert "--quant-activation-bits: invalid choice: '4'" in capsys.readouterr().err
 
 
 def test_the_example_config_loads_with_its_commented_tables_switched_on(tmp_path):

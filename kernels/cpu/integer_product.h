@@ -12,7 +12,7 @@
 //
 // Why 16 bits, where llama.cpp rounds x to 8: the step is a power of two that puts the block's
 // largest |x| in [2^14, 2^15) steps, so a bf16 activation within 2^7 of it (8 significant
-// bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int8 path keeps
+// bits) is exact, and a smaller one is off by at most 2^-15 of the largest: the int4 path keeps
 // what the activations carry, as the fp32 path did, rather than a precision loss of its own.
 // Both builds round alike and scale a block's sum alike, so they give a row the same bits.
 // Asked for 8 bits (--quant-activation-bits 8), AVX-512 VNNI past a decode step rounds x to 8
