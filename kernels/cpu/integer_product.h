@@ -42,7 +42,7 @@
 #else
 #define SURGE_INTEGER_AVX2 0
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SURGE_INTEGER_VNNI 1
 #else
 #define SURGE_INTEGER_VNNI 0
@@ -295,42 +295,48 @@ struct Lanes {
 
   template <typename W>
   void fill(const W& w, int64_t n, int64_t N) {
+    static_assert(kLanes % kRows == 0, "a task's rows are whole records");
     const int64_t blocks = static_cast<int64_t>(steps.size()) / kLanes;
     constexpr int64_t kPer = kLanes / kWords;  // blocks a transpose takes: 1, or 2 for bytes
     for (int64_t b = 0; b < blocks; b += kPer) {
       const int64_t count = std::min(kPer, blocks - b);
       __m512i v[kLanes];
-      for (int64_t r = 0; r < kLanes; ++r) {
-        const int64_t first = n + r - r % kRows, rows = std::min(kRows, N - first);
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t at = (b + j) * kLanes + r, k = (b + j) * kBlock;
-          steps[at] = n + r < N ? w.steps(first, rows, k)[r % kRows] : 0.0f;
-          mins[at] = 0.0f;
+      for (int64_t first = n; first < n + kLanes; first += kRows) {  // a record's rows at once
+        const int64_t rows = std::clamp<int64_t>(N - first, 0, kRows), lane = first - n;
+        const auto real = static_cast<__mmask8>((1u << rows) - 1);
+        for (int64_t j = 0; j < count; ++j) {  // the rows' steps and minimums, as loaded
+          const int64_t at = (b + j) * kLanes + lane, k = (b + j) * kBlock;
+          _mm_storeu_ps(&steps[at], rows ? _mm_maskz_loadu_ps(real, w.steps(first, rows, k))
+                                         : _mm_setzero_ps());
+          __m128 least = _mm_setzero_ps();
           if constexpr (W::kMins)
-            if (n + r < N) mins[at] = w.mins(first, rows, k)[r % kRows];
+            if (rows) least = _mm_maskz_loadu_ps(real, w.mins(first, rows, k));
+          _mm_storeu_ps(&mins[at], least);
         }
-        if (n + r >= N) {
-          v[r] = _mm512_setzero_si512();
-        } else if constexpr (kPer == 1) {
-          v[r] = w.widen32(first, rows, r % kRows, b * kBlock);
-        } else {
-          const __m256i next = count > 1 ? w.bytes32(first, rows, r % kRows, (b + 1) * kBlock)
-                                         : _mm256_setzero_si256();
-          v[r] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(w.bytes32(first, rows, r % kRows, b * kBlock)), next, 1);
-          if constexpr (W::kSigned) {
-            // Each 8 bytes' sum of w + 128 (as unsigned): the two blocks' halves, less 32 * 128.
+        for (int64_t r = 0; r < kRows; ++r) {
+          __m512i& row = v[lane + r];
+          if (r >= rows) {
+            row = _mm512_setzero_si512();
+          } else if constexpr (kPer == 1) {
+            row = w.widen32(first, rows, r, b * kBlock);
+          } else {
+            const __m256i next = count > 1 ? w.bytes32(first, rows, r, (b + 1) * kBlock)
+                                           : _mm256_setzero_si256();
+            row = _mm512_inserti64x4(
+                _mm512_castsi256_si512(w.bytes32(first, rows, r, b * kBlock)), next, 1);
+          }
+          if constexpr (W::kSigned && kPer > 1) {
+            // Each 8 bytes' sum of w + 128 (as unsigned): the two blocks' halves, less 32 *
+            // 128 (a row past N: zeros, whose start is 0 too).
             const __m512i eights = _mm512_sad_epu8(
-                _mm512_xor_si512(v[r], _mm512_set1_epi8(static_cast<char>(0x80))),
+                _mm512_xor_si512(row, _mm512_set1_epi8(static_cast<char>(0x80))),
                 _mm512_setzero_si512());
             for (int64_t j = 0; j < 2; ++j)
-              start[(b + j) * kLanes + r] = -128 * static_cast<int32_t>(
+              start[(b + j) * kLanes + lane + r] = -128 * static_cast<int32_t>(
                   _mm512_mask_reduce_add_epi64(static_cast<__mmask8>(0x0F << (4 * j)), eights)
                   - 32 * 128);
           }
         }
-        if constexpr (W::kSigned && kPer > 1)
-          if (n + r >= N) start[b * kLanes + r] = start[(b + 1) * kLanes + r] = 0;
       }
       transpose(v);  // 16 words a row: a block's word p of every row in v[p], two blocks' bytes
       for (int64_t p = 0; p < kLanes; ++p) words[b * kWords + p] = v[p];
