@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.request
 
+from bench import weight_mode
 from surge.bench import fixed_workload
 from surge.loadgen import closed_loop, summarize
 from surge.model_files import resolve_model
@@ -167,12 +168,10 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
-def weight_flags(quantization: str) -> list[str]:
-    """surge's flags for a weight mode: none, int8, int4, fp8, or int4a8 (int4 with
-    --quant-activation-bits 8)."""
-    if quantization == "int4a8":
-        return ["--quantization", "int4", "--quant-activation-bits", "8"]
-    return ["--quantization", quantization]
+def weight_flags(mode: str) -> list[str]:
+    """surge's flags for a weight mode (bench.weight_mode)."""
+    quantization, bits = weight_mode(mode)
+    return ["--quantization", quantization, "--quant-activation-bits", str(bits)]
 
 
 def start(name: str, model: str, port: int, log: str, quantization: str = "none",
@@ -294,7 +293,7 @@ def main() -> int:
         else:
             # int4 serves the GGUF file itself, llama.cpp's, whose own Q4_1 grids (and Q8_0
             # head) it keeps; the export's bf16 values would be re-quantized on a grid of its own.
-            weights = ("default" if quantization.startswith("int4") and server == "surge"
+            weights = ("default" if weight_mode(quantization)[0] == "int4" and server == "surge"
                        else model)
             table[name] = serve(server, weights, os.path.join(ROOT, ".cache", f"{name}.log"),
                                 workloads, quantization)

@@ -9,8 +9,8 @@ With --against layers the baseline is the cpu backend itself, its layers called 
 from Python, against one decoder_layer call a layer (gpu_workers/fused.py).
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_backend_step [--batches 1,4,64]
-       [--steps 12] [--modes bf16,int4,int4a8,int8,fp32] [--against reference|layers]
-       (int4a8: int4 with --quant-activation-bits 8)
+       [--steps 12] [--modes bf16,int4,int4a8,int8,int8a8,fp32] [--against reference|layers]
+       (int4a8, int8a8: int4 and int8 with --quant-activation-bits 8)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 import torch
 
 import kernels
+from bench import weight_mode
 from bench.packed_weights import cpu_kind, decoding_engine, step_times
 from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import keeps_packed_copy, route_linears
@@ -36,11 +37,11 @@ def load(mode: str, backend: str, fused: bool = True) -> LlamaModel:
     """The bundled model as the worker prepares it for this mode and kernel backend (fused:
     one decoder_layer call a layer where the backend has it)."""
     cpu, dtype = torch.device("cpu"), torch.float32 if mode == "fp32" else torch.bfloat16
-    model = load_model(resolve_model("default"), cpu, dtype, keep_blocks=mode.startswith("int4"))
+    quantization, bits = weight_mode(mode)
+    model = load_model(resolve_model("default"), cpu, dtype, keep_blocks=quantization == "int4")
     model.ops = kernels.for_device(cpu, backend)
-    if mode in ("int4", "int8", "int4a8"):  # int4a8: int4 with --quant-activation-bits 8
-        quantize_model(model, mode[:4], 32, ops=model.ops,
-                       activation_bits=8 if mode == "int4a8" else 16)
+    if quantization in ("int4", "int8"):
+        quantize_model(model, quantization, 32, ops=model.ops, activation_bits=bits)
     if backend == "cpu":
         if dtype == torch.bfloat16:  # oneDNN-packed copies past the C++ products, as the worker
             route_linears(model, model.ops, packed=keeps_packed_copy(cpu, dtype))

@@ -19,6 +19,7 @@ import time
 import torch
 
 import kernels
+from bench import weight_mode
 from gpu_workers.llama import LlamaModel
 from gpu_workers.loader import load_model
 from gpu_workers.model_runner import ModelRunner
@@ -81,13 +82,13 @@ def agreement(base: list[int], other: list[int]) -> int:
 
 
 def load(mode: str, dtype: torch.dtype, group: int, backend: str = "reference") -> LlamaModel:
-    """mode: none, int8, int4, fp8, or int4a8 / int8a8 (--quant-activation-bits 8)."""
+    """mode: none, int8, int4, fp8, or int4a8 / int8a8 (bench.weight_mode)."""
+    quantization, bits = weight_mode(mode)
     model = load_model(resolve_model("default"), torch.device("cpu"), dtype,
-                       keep_blocks=mode.startswith("int4"))
+                       keep_blocks=quantization == "int4")
     model.ops = kernels.for_device(torch.device("cpu"), backend)
-    if mode != "none":
-        quantize_model(model, mode.removesuffix("a8"), group, ops=model.ops,
-                       activation_bits=8 if mode.endswith("a8") else 16)
+    if quantization != "none":
+        quantize_model(model, quantization, group, ops=model.ops, activation_bits=bits)
     return model
 
 

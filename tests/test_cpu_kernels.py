@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from bench import weight_mode
 from gpu_workers.fused import fuse_layers
 from gpu_workers.kernel_linear import KernelLinear, route_linears
 from gpu_workers.loader import load_model
@@ -570,7 +571,7 @@ def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> tor
     multiples of a step: to 16 bits, a power of two that puts the block's largest |x| in
     [2^14, 2^15) steps; to 8, the largest over 127 (fp32, as x times the step's fp32 inverse),
     never under the least normal float."""
-    bits = matmul_cpu.activation_bits(rows or x.shape[0], _asked(quantization))
+    bits = matmul_cpu.activation_bits(rows or x.shape[0], weight_mode(quantization)[1])
     if not bits:
         return x.double()
     blocks = x.float().view(x.shape[0], -1, 32)
@@ -582,11 +583,6 @@ def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> tor
         step = (largest / 127).clamp(min=torch.finfo(torch.float32).tiny)
         rounded = (blocks * (1 / step)).round().clamp(-127, 127).double() * step.double()
     return torch.where(largest > 0, rounded, 0.0).view_as(x)
-
-
-def _asked(quantization: str) -> int:
-    """The activation bits a test's weight mode asks for: int4a8 and int8a8 8, else 16."""
-    return 8 if quantization.endswith("a8") else 16
 
 
 def _assert_near_the_reference(got: torch.Tensor, reference: torch.Tensor, x: torch.Tensor,
@@ -614,7 +610,7 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quan
     mins = -torch.rand(n, k // group)
     x = torch.randn(m, k).to(dtype)
     got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins),
-                                 _asked(quantization))
+                                 weight_mode(quantization)[1])
     assert got.shape == (m, n) and got.dtype == dtype
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
@@ -653,7 +649,7 @@ def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, quan
     if group:
         scales = torch.rand(n, k // group) * 0.01 + 1e-4
     x = torch.randn(m, k).to(dtype)
-    got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales), _asked(quantization))
+    got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales), weight_mode(quantization)[1])
     assert got.shape == (m, n) and got.dtype == dtype
     per_column = scales[:, None] if scales.dim() == 1 else scales
     w = q.double() * per_column.double().repeat_interleave(k // per_column.shape[1], 1)
@@ -669,8 +665,8 @@ def _low_bit(quantization: str, n: int, k: int) -> tuple[tuple, Callable, torch.
     int8a8: the product asked for 8-bit activations)."""
     from gpu_workers.quant import quantize_int8
 
-    bits = _asked(quantization)
-    if quantization.startswith("int8"):
+    quantization, bits = weight_mode(quantization)
+    if quantization == "int8":
         q, scales = quantize_int8(torch.randn(n, k))
         weights = (matmul_cpu.pack_int8(q, scales),)
         return (weights, partial(matmul_cpu.int8_linear, activation_bits=bits),
@@ -703,8 +699,8 @@ def test_low_bit_rows_have_the_same_bits_alone_and_in_a_batch(quantization):
             assert torch.equal(product(x[row:row + 1].to(dtype), *weights), pair[row:row + 1])
         if dtype != torch.float32:
             continue
-        bits = (matmul_cpu.activation_bits(2, _asked(quantization)),
-                matmul_cpu.activation_bits(19, _asked(quantization)))
+        bits = (matmul_cpu.activation_bits(2, weight_mode(quantization)[1]),
+                matmul_cpu.activation_bits(19, weight_mode(quantization)[1]))
         if bits == (0, 0):
             assert torch.equal(pair, batch[:2])
         elif bits[0] == bits[1]:
@@ -789,9 +785,10 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
     path) answer alike. In bf16 this prompt's first token is a near-tie (" Paris" leads by 0.08
     in float32, under a bf16 logit's step of 0.125 there), which any rounding in the layers can
     turn: the server must answer what the same set-up gives in-process."""
-    a8 = quantization == "int4a8"
-    srv = ServerProcess("--kernel-backend", "cpu", "--quantization", quantization[:4],
-                        *(["--quant-activation-bits", "8"] if a8 else []),
+    weights, bits = weight_mode(quantization)
+    a8 = bits == 8
+    srv = ServerProcess("--kernel-backend", "cpu", "--quantization", weights,
+                        "--quant-activation-bits", str(bits),
                         "--tensor-parallel-size", str(ranks), dtype=dtype).wait_ready()
     try:
         log = srv.output()
@@ -799,7 +796,7 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
         # With int4 layers, the LM head still takes the small-M product.
         assert (matmul_cpu.describe_rows() in log) == \
             (dtype == "bfloat16")
-        assert (f"{quantization[:4]} weights" in log) == (quantization != "none")
+        assert (f"{weights} weights" in log) == (weights != "none")
         takes_8 = a8 and matmul_cpu.activation_bits(64, 8) == 8
         assert ("(activations rounded to 8 bits a block past 4 rows)" in log) == takes_8
         assert ("--quant-activation-bits 8 has no effect here" in log) == (a8 and not takes_8)
