@@ -181,8 +181,8 @@ def quantize_model(model: LlamaModel, mode: str, group: int, head: bool = False,
         for parent in (layer.attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, quantized(child, child.weight, mode, group, ops,
-                                                             activation_bits))
+                    setattr(parent, name,
+                            quantized(child, child.weight, mode, group, ops, activation_bits))
     if not model.has_head:
         return
     source = model.embed if model.lm_head is None else model.lm_head

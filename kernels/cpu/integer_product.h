@@ -109,7 +109,9 @@ inline float round_block(const float* p, int16_t* q, int32_t& total) {
 // The AVX-512 round_block, for int16 (above) and int8 (the largest |x| at 127 steps) alike.
 template <typename Q>
 inline float round_block(const float* p, Q* q, int32_t& total) {
-  constexpr float kTop = sizeof(Q) == 1 ? 127.0f : 32767.0f;
+  // int8 stays symmetric, as llama.cpp's grid; int16 takes its whole range.
+  constexpr float kLow = sizeof(Q) == 1 ? -127.0f : -32768.0f;
+  constexpr float kHigh = sizeof(Q) == 1 ? 127.0f : 32767.0f;
   const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
   const float step =
       step_of<Q>(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))),
@@ -119,8 +121,8 @@ inline float round_block(const float* p, Q* q, int32_t& total) {
     return _mm512_cvtps_epi32(_mm512_min_ps(
         _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, inverse),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                      _mm512_set1_ps(-kTop - (sizeof(Q) == 1 ? 0.0f : 1.0f))),
-        _mm512_set1_ps(kTop)));
+                      _mm512_set1_ps(kLow)),
+        _mm512_set1_ps(kHigh)));
   };
   const __m512i q0 = integers(v0), q1 = integers(v1);
   if constexpr (sizeof(Q) == 1) {
