@@ -3,17 +3,23 @@
 Linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++ kernels
 (kernels/cpu/gemv.cpp, and kernels/cpu/amx.cpp where the CPU has AMX) against oneDNN on packed
 weights and plain F.linear, and the int4 product (kernels/cpu/int4.cpp, groups of 32) on the
-same weight, in microseconds and in GB/s of bf16 weights read, beside the machine's
-measured copy bandwidth; and decode attention over the paged KV cache (64 sequences at
-context 512 by default, the bundled model's 9 query / 3 KV heads of 64), the C++ kernel against
-the reference, in GB/s of K/V read (each call on the next of 12 layers' caches, 300 MB, as a
-step reads them: from memory, not from the last-level cache); with --shared, decode rows that
-begin with the same blocks, read once for all (cascade) against once per row; with --prefill,
-prefill attention of fresh prompts, in GFLOP/s.
+same weight, in microseconds, in GB/s of bf16 weights read beside the machine's measured copy
+bandwidth, and the fastest bf16 product in GFLOP/s beside its measured GEMM peak (oneDNN on a
+1024 x 2048 x 2048 product, the most the bf16 products reach: a batched step's roof); and
+decode attention over the paged KV cache (64 sequences at context 512 by default, the bundled
+model's 9 query / 3 KV heads of 64), the C++ kernel against the reference, in GB/s of K/V read
+(each call on the next of 12 layers' caches, 300 MB, as a step reads them: from memory, not
+from the last-level cache); with --shared, decode rows that begin with the same blocks, read
+once for all (cascade) against once per row; with --prefill, prefill attention of fresh
+prompts, in GFLOP/s.
 
 Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows 1,4,8,16,64]
        [--repeats 30] [--threads N] [--attention-dtype float32] [--block-size 16] [--shared KEYS]
        [--prefill 512,2048] [--output result.json]
+
+Each product repeats on one W, which stays in the caches (the small shapes' "c++ GB/s" passes
+the memory's): a model's step streams each layer's W from memory, which shifts the rows where
+oneDNN overtakes the C++ product (bench.cpu_backend_step times whole steps).
 
 Where oneDNN has no bf16 path (AVX2-only CPUs) there are no packed weights: that column is nan.
 
@@ -51,6 +57,17 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     best = min(_once(lambda: dst.copy_(src)) for _ in range(repeats))
     return 2 * src.numel() / best / 1e9
+
+
+def gemm_peak(repeats: int = 5) -> float:
+    """GFLOP/s of a large bf16 product (1024 rows of 2048 by a 2048 x 2048 W) on oneDNN's
+    packed weights (plain F.linear where oneDNN has no bf16 path), the best of a few."""
+    weight, x = torch.randn(2048, 2048).bfloat16(), torch.randn(1024, 2048).bfloat16()
+    product = (PackedLinear(weight) if can_pack(weight.device, weight.dtype)
+               else lambda x: F.linear(x, weight))
+    product(x)
+    best = min(_once(lambda: product(x)) for _ in range(repeats))
+    return 2 * x.shape[0] * weight.numel() / best / 1e9
 
 
 def _once(fn: Callable[[], object]) -> float:
@@ -187,16 +204,16 @@ def main() -> None:
     ext = extension()
     if ext is None:
         raise SystemExit("the C++ kernels did not build")
-    bandwidth = copy_bandwidth()
+    bandwidth, peak = copy_bandwidth(), gemm_peak()
     amx = ext.amx_available()
     print(f"{torch.get_num_threads()} threads, C++ products built for {ext.gemv_isa()}"
-          f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, load average "
-          f"{os.getloadavg()[0]:.1f}")
+          f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, GEMM peak "
+          f"{peak:.0f} GFLOP/s, load average {os.getloadavg()[0]:.1f}")
     print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
           f"{'plain us':>9} {'int4 us':>9} {'int4a8 us':>9} {'int8 us':>9} {'int8a8 us':>9} "
           f"{'c++ GB/s':>8} "
           f"{'amx':>7} "
-          f"{'onednn':>7}")
+          f"{'onednn':>7} {'bf16 GFLOP/s':>12}")
     rows_out = []
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
     for name, k, n in SHAPES if rows else []:
@@ -222,14 +239,17 @@ def main() -> None:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
             t = time_alternately(fns, args.repeats)
             gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
+            fastest = min(t[key] for key in ("cpp", "amx", "onednn", "plain") if key in t)
+            gflops = 2 * m * weight.numel() / fastest / 1e9
             nan = float("nan")
             print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
                   f"{t.get('onednn', nan) * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
                   f"{t['int4'] * 1e6:>9.1f} {t['int4a8'] * 1e6:>9.1f} {t['int8'] * 1e6:>9.1f} "
                   f"{t['int8a8'] * 1e6:>9.1f} "
                   f"{gbs['cpp']:>8.1f} "
-                  f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f}")
-            rows_out.append({"shape": name, "in": k, "out": n, "rows": m,
+                  f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f} "
+                  f"{gflops:>5.0f} ({gflops / peak:.0%})")
+            rows_out.append({"shape": name, "in": k, "out": n, "rows": m, "bf16_gflops": gflops,
                              **{f"{key}_us": s * 1e6 for key, s in t.items()},
                              **{f"{key}_gbs": g for key, g in gbs.items()}})
     attn = {}
@@ -270,10 +290,9 @@ def main() -> None:
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"copy_gbs": bandwidth, "isa": ext.gemv_isa(), "amx": amx,
-                       "rows": rows_out, "attention": attn, "prefill": prefill,
-                       "attention_dtype": args.attention_dtype}, f,
-                      indent=1)
+            json.dump({"copy_gbs": bandwidth, "gemm_peak_gflops": peak, "isa": ext.gemv_isa(),
+                       "amx": amx, "rows": rows_out, "attention": attn, "prefill": prefill,
+                       "attention_dtype": args.attention_dtype}, f, indent=1)
 
 
 if __name__ == "__main__":

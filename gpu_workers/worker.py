@@ -231,8 +231,9 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                          fixed_order=cfg.model.deterministic,
                          matchers=Matchers(runtime_dir, model.cfg.vocab_size)
                          if tp.rank == 0 and stage.last else None)
-    # On the CPU no kernel is compiled per size, and a full budget's prefill would add a
-    # fraction of a second to every start.
+    # On the CPU oneDNN's first product at a new row count costs about a millisecond (its
+    # primitive, measured), too little to warm each size for; a full budget's prefill would add
+    # a fraction of a second to every start.
     runner.warm_up(cfg.scheduler.max_num_batched_tokens if cuda else 0)
     take_expert_load(expert_loads(model))  # the warm-up's routing is nobody's load
     for expert in range(model.cfg.num_experts if tp.rank == 0 else 0):
