@@ -178,6 +178,10 @@ template <typename T>
 struct Scratch {
   std::vector<float> scores, v_rows, sums, queries, acc;
   std::vector<int64_t> offsets, seen;
+  // The key offsets of the unit this thread takes next (ahead_n of them), prefetched into L2
+  // during this one's value pass: memory stays busy while the unit computes from its caches.
+  std::vector<int64_t> ahead;
+  int64_t ahead_n = 0;
   std::vector<T> rows;
   std::vector<uint32_t> pairs;
 #if defined(__AVX512F__)
@@ -185,13 +189,23 @@ struct Scratch {
 #endif
   Scratch(int64_t heads, int64_t dim)
       : scores(heads * kSpan), v_rows(kLanes * dim), sums(heads * dim), queries(heads * dim),
-        acc(heads * (dim + 2)), offsets(kSpan), seen(heads), rows(heads * dim),
+        acc(heads * (dim + 2)), offsets(kSpan), seen(heads), ahead(kSpan), rows(heads * dim),
         pairs(heads * kSpan / 2)
 #if defined(__AVX512F__)
         , interleaved(kLanes * dim / 32 + 1)
 #endif
   {}
 };
+
+// Keys [t, t + count) of the unit this thread takes next into L2 (see Scratch::ahead); inlined,
+// as prefetch_rows says why.
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_ahead(const Problem<T>& p, const Scratch<T>& scratch,
+                                                  int64_t t, int64_t count) {
+  if (t < scratch.ahead_n)
+    prefetch_kv_l2(p.k_cache, p.v_cache, scratch.ahead.data() + t,
+                   std::min(count, scratch.ahead_n - t), p.dim * static_cast<int64_t>(sizeof(T)));
+}
 
 // Vector paths need 16-lane rows on AVX-512, 8-lane ones on AVX2 (and not double, which only
 // the scalar path takes).
@@ -283,6 +297,7 @@ void attend_span_bf16(const Problem<c10::BFloat16>& p, const c10::BFloat16* q, i
   std::fill(sums, sums + heads * dim, 0.0f);
   for (int64_t t = 0; t < n; t += kLanes) {  // 16 keys' rows interleaved once for every head
     const int64_t count = (std::min(kLanes, n - t) + 1) / 2;
+    prefetch_ahead(p, scratch, t, kLanes);
     span::interleave<kChunks>(p.v_cache, offsets, t, n, count, scratch.interleaved.data());
     for (int64_t g = 0; g < heads; ++g)
       span::weigh<kChunks>(sums + g * dim, scratch.pairs.data() + g * kSpan / 2 + t / 2,
@@ -328,9 +343,15 @@ void attend_span_avx2(const Problem<T>& p, const T* q, int64_t heads, const int6
   for (int64_t g = 0; g < heads; ++g)
     l[g] = exponentiate(s + g * kSpan, n, scratch.seen[g], p.softcap, m + g);
   std::fill(acc, acc + heads * dim, 0.0f);
-  by_threes(heads, [&](int64_t g, auto three) {
-    avx2_span::weigh<three()>(s + g * kSpan, kSpan, p.v_cache, offsets, n, dim, acc + g * dim);
-  });
+  // 64 keys at a time (whole tiles of weigh's 32: the same sums in the same order), the next
+  // unit's rows prefetched between them.
+  for (int64_t t = 0; t < n; t += 64) {
+    prefetch_ahead(p, scratch, t, 64);
+    by_threes(heads, [&](int64_t g, auto three) {
+      avx2_span::weigh<three()>(s + g * kSpan + t, kSpan, p.v_cache, offsets + t,
+                                std::min<int64_t>(64, n - t), dim, acc + g * dim);
+    });
+  }
 }
 #endif
 
@@ -366,6 +387,7 @@ void attend_span(const Problem<T>& p, const T* q, int64_t heads, const int64_t* 
   // The values, a group of keys at a time: widened once, then weighed for every head.
   float* rows = scratch.v_rows.data();
   for (int64_t t = 0; t < n; t += kLanes) {
+    prefetch_ahead(p, scratch, t, kLanes);
     const int64_t keys = std::min(kLanes, n - t);
     for (int64_t j = 0; j < keys; ++j) widen(p.v_cache + offsets[t + j], rows + j * dim, dim);
     for (int64_t g = 0; g < heads; ++g)
@@ -451,13 +473,22 @@ void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
   std::vector<float> parts(merge ? plan.total * kv_heads * part : 0);
   const int64_t work = static_cast<int64_t>(plan.units.size()) * kv_heads;
   std::atomic<int64_t> next{0};
-  // Units differ in size (a prefill tile, a short decode row): each thread takes the next one.
+  // Units differ in size (a prefill tile, a short decode row): each thread takes the next one,
+  // claimed a unit ahead so that its rows come into L2 while this one computes.
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch<T> scratch(plan.tile * group, dim);
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < work;) {
+    auto offsets_of = [&](int64_t w, int64_t* offsets) {
+      const Unit& u = plan.units[plan.order[w / kv_heads]];
+      p.row_offsets(u.r0, w % kv_heads, u.lo, u.hi - u.lo, offsets);
+      return u.hi - u.lo;
+    };
+    int64_t w = next.fetch_add(1, std::memory_order_relaxed);
+    if (w < work) offsets_of(w, scratch.offsets.data());
+    for (int64_t claimed; w < work; w = claimed) {
+      claimed = next.fetch_add(1, std::memory_order_relaxed);
+      scratch.ahead_n = claimed < work ? offsets_of(claimed, scratch.ahead.data()) : 0;
       const Unit& u = plan.units[plan.order[w / kv_heads]];
       const int64_t kh = w % kv_heads, n = u.hi - u.lo, heads = (u.r1 - u.r0) * group;
-      p.row_offsets(u.r0, kh, u.lo, n, scratch.offsets.data());
       const T* q = p.q + (u.r0 * p.heads + kh * group) * dim;
       if (u.r1 - u.r0 > 1) {  // the rows' heads of this KV head, one after another
         for (int64_t r = 0; r < u.r1 - u.r0; ++r)
@@ -485,6 +516,7 @@ void attend(const Problem<T>& p, T* out, int64_t rows, int64_t shared_rows,
         std::copy_n(m + x, group, to + group * dim);
         std::copy_n(l + x, group, to + group * dim + group);
       }
+      std::swap(scratch.offsets, scratch.ahead);  // the claimed unit's, worked out above
     }
   });
   if (!merge) return;

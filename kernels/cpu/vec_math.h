@@ -24,6 +24,15 @@ template <typename T>
   prefetch_rows<2>(v_cache, offsets, n, row_bytes);
 }
 
+// The K and V rows of n keys into L2, for a unit of work that comes next.
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_kv_l2(const T* k_cache, const T* v_cache,
+                                                  const int64_t* offsets, int64_t n,
+                                                  int64_t row_bytes) {
+  prefetch_rows<2>(k_cache, offsets, n, row_bytes);
+  prefetch_rows<2>(v_cache, offsets, n, row_bytes);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
