@@ -203,7 +203,7 @@ template <typename T>
 [[gnu::always_inline]] inline void prefetch_ahead(const Problem<T>& p, const Scratch<T>& scratch,
                                                   int64_t t, int64_t count) {
   if (t < scratch.ahead_n)
-    prefetch_kv_l2(p.k_cache, p.v_cache, scratch.ahead.data() + t,
+    prefetch_kv<2>(p.k_cache, p.v_cache, scratch.ahead.data() + t,
                    std::min(count, scratch.ahead_n - t), p.dim * static_cast<int64_t>(sizeof(T)));
 }
 

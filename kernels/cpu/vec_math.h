@@ -15,21 +15,13 @@ template <int Locality, typename T>
       __builtin_prefetch(reinterpret_cast<const char*>(rows + offsets[t]) + b, 0, Locality);
 }
 
-// The K rows (into L1) and V rows (into L2: they are weighed after every key is scored) of n keys.
-template <typename T>
+// The K rows (into L1 by default; L2 for a unit of work that comes next) and V rows (into L2:
+// they are weighed after every key is scored) of n keys.
+template <int KLocality = 3, typename T>
 [[gnu::always_inline]] inline void prefetch_kv(const T* k_cache, const T* v_cache,
                                                const int64_t* offsets, int64_t n,
                                                int64_t row_bytes) {
-  prefetch_rows<3>(k_cache, offsets, n, row_bytes);
-  prefetch_rows<2>(v_cache, offsets, n, row_bytes);
-}
-
-// The K and V rows of n keys into L2, for a unit of work that comes next.
-template <typename T>
-[[gnu::always_inline]] inline void prefetch_kv_l2(const T* k_cache, const T* v_cache,
-                                                  const int64_t* offsets, int64_t n,
-                                                  int64_t row_bytes) {
-  prefetch_rows<2>(k_cache, offsets, n, row_bytes);
+  prefetch_rows<KLocality>(k_cache, offsets, n, row_bytes);
   prefetch_rows<2>(v_cache, offsets, n, row_bytes);
 }
 
