@@ -1,10 +1,11 @@
 """The C++ CPU kernels against what they replace, timed alternately in one process.
 
 Linear products on the bundled model's shapes (and a Llama-8B-sized one): the C++ kernels
-(kernels/cpu/gemv.cpp, and kernels/cpu/amx.cpp where the CPU has AMX) against oneDNN on packed
-weights and plain F.linear, and the int4 product (kernels/cpu/int4.cpp, groups of 32) on the
-same weight, in microseconds, in GB/s of bf16 weights read beside the machine's measured copy
-bandwidth, and the fastest bf16 product in GFLOP/s beside its measured GEMM peak (oneDNN on a
+(kernels/cpu/gemv.cpp, kernels/cpu/panels.cpp where the CPU has AVX-512 BF16, and
+kernels/cpu/amx.cpp where it has AMX) against oneDNN on packed weights and plain F.linear,
+and the int4 product (kernels/cpu/int4.cpp, groups of 32) on the same weight, in
+microseconds, in GB/s of bf16 weights read beside the machine's measured copy bandwidth, and
+the fastest bf16 product in GFLOP/s beside its measured GEMM peak (oneDNN on a
 1024 x 2048 x 2048 product, the most the bf16 products reach: a batched step's roof); and
 decode attention over the paged KV cache (64 sequences at context 512 by default, the bundled
 model's 9 query / 3 KV heads of 64), the C++ kernel against the reference, in GB/s of K/V read
@@ -19,7 +20,8 @@ Usage: flock /tmp/bench.lock .venv/bin/python -m bench.cpu_kernels_bench [--rows
 
 Each product repeats on one W, which stays in the caches (the small shapes' "c++ GB/s" passes
 the memory's): a model's step streams each layer's W from memory, which shifts the rows where
-oneDNN overtakes the C++ product (bench.cpu_backend_step times whole steps).
+oneDNN overtakes the C++ product, and favours oneDNN over the panels, which prefetch W
+(bench.cpu_backend_step times whole steps; --against onednn for the panels).
 
 Where oneDNN has no bf16 path (AVX2-only CPUs) there are no packed weights: that column is nan.
 
@@ -209,16 +211,16 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads, C++ products built for {ext.gemv_isa()}"
           f"{' and AMX' if amx else ''}, copy bandwidth {bandwidth:.1f} GB/s, GEMM peak "
           f"{peak:.0f} GFLOP/s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'amx us':>9} {'onednn us':>9} "
-          f"{'plain us':>9} {'int4 us':>9} {'int4a8 us':>9} {'int8 us':>9} {'int8a8 us':>9} "
-          f"{'c++ GB/s':>8} "
-          f"{'amx':>7} "
+    print(f"{'shape':>8} {'rows':>4} {'c++ us':>9} {'panel us':>9} {'amx us':>9} "
+          f"{'onednn us':>9} {'plain us':>9} {'int4 us':>9} {'int4a8 us':>9} {'int8 us':>9} "
+          f"{'int8a8 us':>9} {'c++ GB/s':>8} {'panel':>7} {'amx':>7} "
           f"{'onednn':>7} {'bf16 GFLOP/s':>12}")
     rows_out = []
     rows = [int(r) for r in args.rows.split(",") if r]  # '' skips the products
     for name, k, n in SHAPES if rows else []:
         weight = torch.randn(n, k).bfloat16()
         packed = PackedLinear(weight) if can_pack(weight.device, weight.dtype) else None
+        panels = ext.panel_pack(weight) if ext.panels_available() else None
         q, scales, zeros = quantize_int4(weight, 32)
         q4 = ext.int4_pack(pack_q4(q), scales, zeros - 8 * scales)
         # int8 with a scale a block of 32 columns, as a GGUF's Q8_0 head
@@ -235,18 +237,21 @@ def main() -> None:
             }
             if packed is not None:
                 fns["onednn"] = lambda x=x, p=packed: p(x)
+            if panels is not None:
+                fns["panel"] = lambda x=x, p=panels, n=n: ext.panel_linear(x, p, n)
             if amx and k % 32 == 0:
                 fns["amx"] = lambda x=x, w=weight: ext.amx_linear(x, w)
             t = time_alternately(fns, args.repeats)
             gbs = {key: weight.numel() * 2 / s / 1e9 for key, s in t.items()}
-            fastest = min(t[key] for key in ("cpp", "amx", "onednn", "plain") if key in t)
+            fastest = min(t[key] for key in ("cpp", "panel", "amx", "onednn", "plain")
+                          if key in t)
             gflops = 2 * m * weight.numel() / fastest / 1e9
             nan = float("nan")
-            print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('amx', nan) * 1e6:>9.1f} "
+            print(f"{name:>8} {m:>4} {t['cpp'] * 1e6:>9.1f} {t.get('panel', nan) * 1e6:>9.1f} "
+                  f"{t.get('amx', nan) * 1e6:>9.1f} "
                   f"{t.get('onednn', nan) * 1e6:>9.1f} {t['plain'] * 1e6:>9.1f} "
                   f"{t['int4'] * 1e6:>9.1f} {t['int4a8'] * 1e6:>9.1f} {t['int8'] * 1e6:>9.1f} "
-                  f"{t['int8a8'] * 1e6:>9.1f} "
-                  f"{gbs['cpp']:>8.1f} "
+                  f"{t['int8a8'] * 1e6:>9.1f} {gbs['cpp']:>8.1f} {gbs.get('panel', nan):>7.1f} "
                   f"{gbs.get('amx', nan):>7.1f} {gbs.get('onednn', nan):>7.1f} "
                   f"{gflops:>5.0f} ({gflops / peak:.0%})")
             rows_out.append({"shape": name, "in": k, "out": n, "rows": m, "bf16_gflops": gflops,

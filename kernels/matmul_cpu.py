@@ -1,7 +1,7 @@
 """x W^T through the C++ products, as kernels.matmul's: `linear` picks the product by rows in
-C++ (kernels/cpu/layer.cpp: AMX tiles, the vector product, or oneDNN, whichever is fastest for
-them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights, repacked once (pack_int4,
-pack_int8)."""
+C++ (kernels/cpu/layer.cpp: AMX tiles, the vector product, W's panels or oneDNN, whichever is
+fastest for them), and kernels/cpu/int4.cpp and int8.cpp take quantized weights, repacked once
+(pack_int4, pack_int8)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ def has_amx() -> bool:
     return ext is not None and ext.amx_available()
 
 
+@cache
+def has_panels() -> bool:
+    """Whether the build has panel_linear (AVX-512 BF16): the product on W's panels, where the
+    model keeps them (gpu_workers.kernel_linear)."""
+    ext = extension()
+    return ext is not None and ext.panels_available()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (bf16, K even) in panel_linear's layout, a copy linear() reads at every row
+    count (on CPUs without AMX)."""
+    return extension().panel_pack(weight)
+
+
 def max_rows() -> int | None:
     """The most rows of x the C++ bf16 products take before oneDNN's; None where this CPU has
     no oneDNN bf16 path (they take every row count, as MKL's past widen_rows)."""
@@ -33,17 +47,21 @@ def widen_rows() -> int:
     return extension().widen_rows()
 
 
-def describe_rows() -> str:
-    """The products' share, for the worker's start-up line."""
+def describe_rows(packed: bool = False) -> str:
+    """The products' share, for the worker's start-up line (packed: the model keeps packed
+    copies, gpu_workers.kernel_linear.packed_copy_for)."""
+    if packed and has_panels():
+        return "C++ products on W in panels at every row count"
     rows = max_rows()
     if rows is None:  # no oneDNN bf16 path: the tiles, then MKL on W widened
         return f"C++ products up to {widen_rows()} rows, MKL's on W widened past them"
-    return f"C++ products up to {rows} rows"
+    return f"C++ products up to {rows} rows{', oneDNN-packed copies past them' if packed else ''}"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """packed: oneDNN's blocked copy of weight, for the rows past the C++ products."""
+    """packed: a copy of weight, its panels (pack_panels: every row count) or oneDNN's blocked
+    copy (the rows past max_rows)."""
     return extension().linear(x, weight, packed)
 
 

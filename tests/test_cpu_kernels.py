@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kernels
 from bench import weight_mode
 from gpu_workers.fused import fuse_layers
-from gpu_workers.kernel_linear import KernelLinear, route_linears
+from gpu_workers.kernel_linear import KernelLinear, keeps_packed_copy, route_linears
 from gpu_workers.loader import load_model
 from gpu_workers.packed import can_pack
 from gpu_workers.quant import quantize_model
@@ -316,7 +316,8 @@ def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
 def test_rows_past_the_cpp_products_read_the_packed_copy():
     """linear() gives rows past the C++ products to oneDNN on the packed copy it is handed (a
     copy of another weight here, to see which one was read), and fewer rows to the C++ product
-    on the plain weight; KernelLinear hands its copy over."""
+    on the plain weight; W's panels it reads at every row count; KernelLinear hands its copy
+    over."""
     from gpu_workers.kernel_linear import KernelLinear
 
     torch.manual_seed(0)
@@ -330,6 +331,13 @@ def test_rows_past_the_cpp_products_read_the_packed_copy():
                                    rtol=2**-7, atol=1e-2)
         layer = KernelLinear(weight, ops, packed=True)
         torch.testing.assert_close(layer(x), x @ weight.T, rtol=2**-7, atol=1e-2)
+        # On W's panels every row count: the plain weight is dropped, only its shape kept.
+        assert layer.weight.is_meta == matmul_cpu.has_panels()
+        assert layer.weight.shape == weight.shape
+        if matmul_cpu.has_panels():
+            torch.testing.assert_close(
+                matmul_cpu.linear(x, weight, matmul_cpu.pack_panels(other)), x @ other.T,
+                rtol=2**-7, atol=1e-2)
 
 
 def _assert_within_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
@@ -366,6 +374,41 @@ def test_bf16_linear_is_within_bf16_rounding_of_the_exact_product(m, k32, n, see
         assert torch.equal(extension().bf16_linear(x[rows], weight), got[rows])
     if "avx512f" not in _cpu_flags():  # the 8-lane sums of the vector product (up to 4 rows)
         assert torch.equal(extension().small_m_linear(x, weight), got)
+
+
+needs_panels = pytest.mark.skipif(not matmul_cpu.has_panels(),
+                                  reason="no AVX-512 BF16 on this CPU: no panel product")
+
+
+@needs_panels
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 350), st.integers(1, 150), seeds)
+def test_panel_linear_is_within_bf16_rounding_of_the_exact_product(m, k2, n, seed):
+    """Row counts over partial and several tiles of 8 and chunks of 256, any even width,
+    output counts that are no multiple of a panel's 48; a row's bits are the same alone."""
+    torch.manual_seed(seed)
+    x, weight = torch.randn(m, 2 * k2).bfloat16(), torch.randn(n, 2 * k2).bfloat16()
+    panels = matmul_cpu.pack_panels(weight)
+    got = extension().panel_linear(x, panels, n)
+    _assert_within_bf16_rounding(got, x, weight)  # an output left unwritten fails it
+    for rows in (slice(0, 1), slice(0, m // 2 + 1), slice(m // 3, m)):
+        assert torch.equal(extension().panel_linear(x[rows], panels, n), got[rows])
+
+
+@needs_panels
+def test_panel_linear_refuses_what_it_was_not_packed_for():
+    panels = matmul_cpu.pack_panels(torch.randn(100, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="panels as panel_pack made them"):
+        extension().panel_linear(torch.randn(3, 96).bfloat16(), panels, 100)
+    with pytest.raises(RuntimeError, match="panels as panel_pack made them"):
+        extension().panel_linear(torch.randn(3, 64).bfloat16(), panels, 40)
+    with pytest.raises(RuntimeError, match="K even"):
+        matmul_cpu.pack_panels(torch.randn(4, 63).bfloat16())
+
+
+def test_panels_are_built_where_the_cpu_has_avx512_bf16():
+    """A build on an AVX-512 BF16 machine without them would quietly fall back to oneDNN."""
+    assert matmul_cpu.has_panels() == ("avx512_bf16" in _cpu_flags())
 
 
 @settings(max_examples=40, deadline=None)
@@ -780,11 +823,11 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
     """The worker's own set-up: bf16 linear layers routed to the C++ products (int4 and int8
     ones to the C++ low-bit products; int4a8: int4 with --quant-activation-bits 8, which the
     start-up line names where the build takes it), and the C++ attention split over 3 gloo
-    ranks (in
-    float32: transformers' own answer); one request and four at once (still the small-M
-    path) answer alike. In bf16 this prompt's first token is a near-tie (" Paris" leads by 0.08
-    in float32, under a bf16 logit's step of 0.125 there), which any rounding in the layers can
-    turn: the server must answer what the same set-up gives in-process."""
+    ranks (in float32: transformers' own answer); one request and four at once (the small-M
+    path, or W's panels, whose sums are the same at any row count) answer alike. In bf16 this
+    prompt's first token is a near-tie (" Paris" leads by 0.08 in float32, under a bf16
+    logit's step of 0.125 there), which any rounding in the layers can turn: the server must
+    answer what the same set-up gives in-process."""
     weights, bits = weight_mode(quantization)
     a8 = bits == 8
     srv = ServerProcess("--kernel-backend", "cpu", "--quantization", weights,
@@ -793,9 +836,9 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
     try:
         log = srv.output()
         assert "cpu kernels (--kernel-backend)" in log
-        # With int4 layers, the LM head still takes the small-M product.
-        assert (matmul_cpu.describe_rows() in log) == \
-            (dtype == "bfloat16")
+        # With int4 layers, the LM head still takes the bf16 products.
+        packed = keeps_packed_copy(torch.device("cpu"), torch.bfloat16)
+        assert (matmul_cpu.describe_rows(packed) in log) == (dtype == "bfloat16")
         assert (f"{weights} weights" in log) == (weights != "none")
         takes_8 = a8 and matmul_cpu.activation_bits(64, 8) == 8
         assert ("(activations rounded to 8 bits a block past 4 rows)" in log) == takes_8

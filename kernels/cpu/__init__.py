@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "amx.cpp",
+_SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "amx.cpp", "panels.cpp",
             "int4.cpp", "int8.cpp", "activation.cpp", "rotary.cpp", "layer.cpp", "sampling.cpp")
 
 

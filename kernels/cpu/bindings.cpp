@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);
   m.def("amx_linear", &amx_linear, "x W^T on AMX tiles from W's plain layout, bf16, fp32 sums");
+  m.def("panels_available", &panels_available, "whether this build has panel_linear");
+  m.def("panel_pack", &panel_pack, "W [N, K] in panel_linear's panels of 48 features");
+  m.def("panel_linear", &panel_linear, "x W^T on W's panels (panel_pack), bf16, fp32 sums");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
   m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");

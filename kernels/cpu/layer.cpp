@@ -44,13 +44,17 @@ bool onednn_bf16() {
 
 }  // namespace
 
-// x W^T on the product that is fastest for its rows (bench.cpu_kernels_bench): bf16 on AMX
-// tiles from 2 to kAmxRows rows where the CPU has them, the vector product up to kSmallRows
-// rows, oneDNN otherwise (and for other dtypes): on `packed`, W's oneDNN-blocked copy, where
-// the model keeps one (1.2-1.3x the plain weight's product at 64-128 rows on AVX-512 BF16).
-// Where oneDNN has no bf16 path, the rows past kSmallRows take bf16_linear.
+// x W^T on the product that is fastest for its rows (bench.cpu_kernels_bench). Where the model
+// keeps W's panels in `packed` (panel_pack, AVX-512 BF16 without AMX), panel_linear at every
+// row count (one row streams W at the copy bandwidth, 1.25x the vector product), and `weight`
+// may hold no data (only its shape is read). Else bf16 on AMX tiles from 2 to kAmxRows rows
+// where the CPU has them, the vector product up to kSmallRows rows, and oneDNN past them: on
+// its blocked copy of W where the model keeps one (1.2-1.3x the plain weight's product at
+// 64-128 rows), or on the plain W (and for other dtypes). Where oneDNN has no bf16 path, the
+// rows past kSmallRows take bf16_linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& packed) {
+  if (packed && !packed->is_mkldnn()) return panel_linear(x, *packed, weight.size(0));
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
     static const bool amx = amx_available();
     const int64_t rows = x.size(0);

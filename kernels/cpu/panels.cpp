@@ -1,0 +1,134 @@
+// bf16 products y = x W^T on W repacked once into panels of 48 output features, K's pairs
+// interleaved: [N / 48 (rounded up)][K / 2][48][2], the AVX-512 BF16 pair dot product's operand
+// order. Each k-pair of a panel is three vectors; a tile of up to 8 rows of x broadcasts its
+// pair and sums 8 x 48 outputs in 24 registers, so nothing is reduced across lanes and every
+// loaded W vector serves 8 rows. A thread walks its panels in order, prefetching the next one
+// into L2 while this one computes: a decode step's W comes from memory, and oneDNN's blocked
+// GEMM (which this replaces on AVX-512 BF16 CPUs without AMX) stalls on it (bench.cpu_kernels_bench).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kVectors = 3;              // W vectors a k-pair of a panel
+constexpr int64_t kPanel = 16 * kVectors;    // output features a panel
+constexpr int64_t kTileRows = 8;             // rows of x a tile: 8 x 3 sums in registers
+// Rows of x a task takes at most: its tiles' x (K = 4096: 2 MB at 256 rows) stays in L2 while
+// the panel passes over it.
+constexpr int64_t kChunkRows = 256;
+
+#if defined(__AVX512BF16__)
+// rows x kPanel sums over the panel's kp pairs; `cols` of them are stored (the last panel's
+// are fewer). Along the way `count` cache lines from `ahead` are prefetched into L2, `every` a
+// pair: the thread's next panel, spread over this panel's tiles.
+template <int rows>
+void tile(const at::BFloat16* x, int64_t K, const uint32_t* panel, int64_t kp,
+          at::BFloat16* out, int64_t ldo, int64_t cols, const char* ahead, int64_t count,
+          int64_t every) {
+  __m512 acc[rows][kVectors];
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);  // x's (k, k + 1), K even
+  const int64_t ldp = K / 2;
+  for (int64_t p = 0; p < kp; ++p) {
+    for (int64_t i = 0; i < every && count > 0; ++i, --count, ahead += 64)
+      _mm_prefetch(ahead, _MM_HINT_T1);
+    __m512bh w[kVectors];
+    for (int j = 0; j < kVectors; ++j)
+      w[j] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * j);
+    for (int m = 0; m < rows; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pairs[m * ldp + p]);
+      for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
+    }
+  }
+  // Each sum rounded to bf16 once, to nearest even, as oneDNN's bf16 product rounds it.
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < kVectors; ++j) {
+      const int64_t left = std::clamp<int64_t>(cols - 16 * j, 0, 16);
+      if (left == 0) break;
+      _mm256_mask_storeu_epi16(out + m * ldo + 16 * j, static_cast<__mmask16>((1u << left) - 1),
+                               (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+    }
+}
+
+using Tile = void (*)(const at::BFloat16*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
+                      int64_t, int64_t, const char*, int64_t, int64_t);
+constexpr Tile kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
+                                    tile<5>, tile<6>, tile<7>, tile<8>};
+#endif
+
+}  // namespace
+
+bool panels_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] (bf16, K even) -> its panels [N / 48 rounded up, K / 2, 48, 2], features past N zero.
+at::Tensor panel_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  weight.size(1) % 2 == 0,
+              "panel_pack takes a bfloat16 weight [N, K] with K even");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  return at::constant_pad_nd(weight, {0, 0, 0, panels * kPanel - N})
+      .view({panels, kPanel, K / 2, 2})
+      .permute({0, 2, 1, 3})
+      .contiguous();
+}
+
+// x [M, K] W^T for W as panel_pack packed it (n: W's rows), fp32 sums; each row's bits are the
+// same at any M (its sums run over K in one order whatever the tile).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(panels_available(), "panel_linear needs AVX-512 BF16 (this build has none)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && panels.dim() == 4 &&
+                  panels.size(2) == kPanel && x.size(1) == 2 * panels.size(1) &&
+                  n <= panels.size(0) * kPanel && n > (panels.size(0) - 1) * kPanel,
+              "panel_linear: x [M, K] and panels as panel_pack made them for K and n rows");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), P = panels.size(0), kp = K / 2;
+  auto out = at::empty({M, n}, x.options());
+#if defined(__AVX512BF16__)
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, panel = kp * kPanel;
+  // Tasks are (panel, chunk of rows), a panel's chunks next to each other so that a thread
+  // reads each of its panels from memory once: chunks of kChunkRows, and more where there
+  // are too few panels to keep every thread busy.
+  const int64_t busy = (2 * at::get_num_threads() + P - 1) / P;
+  const int64_t chunks = std::min(tiles, std::max((M + kChunkRows - 1) / kChunkRows, busy));
+  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
+  const int64_t lines = panel * 4 / 64;
+  at::parallel_for(0, P * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / chunks, c = task % chunks;
+      const int64_t t0 = c * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
+      if (t0 >= t1) continue;
+      // The next panel's lines over this task's tiles, if the thread's next task reads it.
+      const bool ahead = c == chunks - 1 && task + 1 < end && j + 1 < P;
+      const int64_t share = (lines + (t1 - t0) - 1) / (t1 - t0), every = (share + kp - 1) / kp;
+      const char* next = reinterpret_cast<const char*>(wp + (j + 1) * panel);
+      const int64_t cols = std::min(kPanel, n - j * kPanel);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m);
+        const int64_t from = (t - t0) * share;
+        const int64_t count = ahead ? std::clamp<int64_t>(lines - from, 0, share) : 0;
+        kTiles[rows - 1](xp + m * K, K, wp + j * panel, kp, op + m * n + j * kPanel, n, cols,
+                         next + from * 64, count, every);
+      }
+    }
+  });
+#endif
+  return out;
+}
