@@ -47,7 +47,7 @@ def load(mode: str, backend: str, fused: bool = True, panels: bool = True) -> Ll
     if quantization in ("int4", "int8"):
         quantize_model(model, quantization, 32, ops=model.ops, activation_bits=bits)
     if backend == "cpu":
-        if dtype == torch.bfloat16:  # oneDNN-packed copies past the C++ products, as the worker
+        if dtype == torch.bfloat16:  # packed copies (W's panels or oneDNN's), as the worker
             route_linears(model, model.ops, keeps_packed_copy(cpu, dtype), panels)
         if fused:
             fuse_layers(model)

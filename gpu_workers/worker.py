@@ -201,8 +201,9 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
     if quant != "none":
         quantize_model(model, quant, cfg.model.quant_group_size, cfg.model.quantize_lm_head,
                        ops, cfg.model.quant_activation_bits)
-    # The C++ backend's small-M products read the plain weights; past them, a packed copy
-    # (gpu_workers.kernel_linear.packed_copy_for) where that is faster than the plain weight.
+    # The C++ backend's products read W's panels at every row count on AVX-512 BF16 (without
+    # AMX), else the plain weights for a few rows and a oneDNN copy past them where that is
+    # faster than the plain weight (gpu_workers.kernel_linear.packed_copy_for).
     routed = ops.name == "cpu" and dtype == torch.bfloat16
     packed = cfg.model.pack_weights and (keeps_packed_copy(device, dtype) if routed
                                          else can_pack(device, dtype))

@@ -4,7 +4,8 @@
 // pair and sums 8 x 48 outputs in 24 registers, so nothing is reduced across lanes and every
 // loaded W vector serves 8 rows. A thread walks its panels in order, prefetching the next one
 // into L2 while this one computes: a decode step's W comes from memory, and oneDNN's blocked
-// GEMM (which this replaces on AVX-512 BF16 CPUs without AMX) stalls on it (bench.cpu_kernels_bench).
+// GEMM (which this replaces on AVX-512 BF16 CPUs without AMX) stalls on it
+// (bench.cpu_backend_step --against onednn).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
