@@ -22,9 +22,9 @@ class KernelLinear(nn.Module):
         self.ops = ops
         self.packed = packed_copy_for(weight, panels) if packed else None
         # The plain weight (a tied head's is the embedding's, which keeps it), or only its
-        # shape where nothing reads it.
-        panels = self.packed is not None and not self.packed.is_mkldnn
-        self.weight = weight.to("meta") if panels else weight
+        # shape where the panels serve every row count and nothing reads it.
+        unread = self.packed is not None and not self.packed.is_mkldnn
+        self.weight = weight.to("meta") if unread else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
