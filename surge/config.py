@@ -91,9 +91,10 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     pack_weights: Annotated[
         bool, Meta(description="on the CPU in bfloat16, run linear layers on weights reordered "
                    "for oneDNN (identical results, faster; costs a copy of a tied LM head); "
-                   "with the cpu kernel backend on a CPU without AMX, keep a packed copy beside "
-                   "each plain weight for products past the small-row ones (the C++ panel "
-                   "layout on AVX-512 BF16, else oneDNN's; the weights' memory twice)")
+                   "with the cpu kernel backend on a CPU without AMX, hold each weight in the "
+                   "C++ panel layout for every product on AVX-512 BF16 (the weights' memory "
+                   "once), else keep oneDNN's copy beside the plain weight for products past "
+                   "the small-row ones (the weights' memory twice)")
     ] = True
     kernel_backend: Annotated[
         Literal["auto", "reference", "cpu", "triton"],
