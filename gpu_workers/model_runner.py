@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from msgspec import Struct
 
+from gpu_workers import host_memory
 from gpu_workers.draft import DraftModel, shares_layers
 from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
@@ -111,15 +112,15 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # One block past the scheduler's: where graph padding rows write.
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks + 1, block_size),
-                                    dtype=dtype, device=device)
+        self.kv_cache = host_memory.zeros(kv_cache_shape(model, num_blocks + 1, block_size),
+                                          dtype, device)
         self.draft = None
         if draft is not None and shares_layers(draft, model):
             self.draft = DraftModel(draft, self.kv_cache[: draft.cfg.num_layers], block_size,
                                     mirrors=False)
         elif draft is not None:
-            self.draft = DraftModel(draft, torch.zeros(
-                kv_cache_shape(draft, num_blocks + 1, block_size), dtype=dtype, device=device),
+            self.draft = DraftModel(draft, host_memory.zeros(
+                kv_cache_shape(draft, num_blocks + 1, block_size), dtype, device),
                 block_size, mirrors=True)
         self.staging = Staging(device)
         self.graphs = (DecodeGraphs(model, self.kv_cache, block_size, num_blocks,

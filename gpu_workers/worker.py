@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import time
@@ -18,6 +16,7 @@ import zmq
 from torch import nn
 
 import kernels
+from gpu_workers import host_memory
 from gpu_workers.devices import place
 from gpu_workers.draft import shares_layers, truncated
 from gpu_workers.families import read_family
@@ -157,12 +156,12 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
         ctx.destroy(linger=500)
 
 
-def _return_freed_memory() -> None:
-    """Hand back to the system the pages of the plain weights that packed copies replaced:
-    glibc keeps freed heap memory in the process (bf16 SmolLM2-135M on W's panels: 860 MiB
-    resident without this, 590 with it)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: no way to ask
-        ctypes.CDLL(None).malloc_trim(0)
+def _huge_page_note(kv_cache: torch.Tensor) -> str:
+    """The start-up line's word on how much of a CPU KV cache got 2 MiB pages (see
+    host_memory.zeros): none where transparent huge pages are off."""
+    if kv_cache.device.type != "cpu":
+        return ""
+    return f" ({host_memory.huge_page_bytes(kv_cache) / 2**20:.0f} MiB of it in 2 MiB pages)"
 
 
 def _activation_note(cfg: ModelConfig, ops: kernels.Kernels) -> str:
@@ -215,7 +214,7 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
         prepare(model)
     draft = _load_draft(cfg.speculative, model, device, dtype, prepare)
     if prepare is not None:
-        _return_freed_memory()
+        host_memory.return_freed_memory()
     block_size = cfg.scheduler.block_size
     budget = parse_memory(cfg.scheduler.kv_cache_memory, free_memory(device))
     if device.type == "cpu":
@@ -269,7 +268,8 @@ def _load(cfg: SurgeConfig, rank: int, runtime_dir: str, generation: int, replic
                    f"{', deterministic attention' if cfg.model.deterministic else ''}"
                    f"{'' if draft is None else f', draft of {draft.cfg.num_layers} layers'}, "
                    f"{torch.get_num_threads()} threads, {ops}, loaded in "
-                   f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB")
+                   f"{time.monotonic() - started:.1f}s; KV cache {budget / 2**20:.0f} MiB"
+                   f"{_huge_page_note(runner.kv_cache)}")
     # Blocks the window has passed in every layer are given back by the scheduler; not with a
     # draft model of its own, whose attention sees the whole context.
     window = 0 if own_cache else model.cfg.reach
