@@ -22,10 +22,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     out = torch.empty(shape, dtype=dtype)
     start = -(-out.data_ptr() // _HUGE) * _HUGE
     end = (out.data_ptr() + out.numel() * out.element_size()) // _HUGE * _HUGE
-    if end > start:  # transparent huge pages set to "madvise", as most distributions ship
+    if end > start:
+        # Heeded where transparent huge pages are "madvise" (as most distributions ship them)
+        # or "always"; a refusal leaves 4 KiB pages, which the start-up line then shows.
         with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                      _MADV_HUGEPAGE)
     return out.zero_()
 
 
