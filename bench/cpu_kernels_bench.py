@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_workers import host_memory
 from gpu_workers.packed import PackedLinear, can_pack
 from gpu_workers.quant import quantize_int4, quantize_int8
 from kernels import attention, attention_cpu
@@ -140,8 +141,9 @@ def attention_rates(seqs: int, context: int, repeats: int, layers: int, dtype: t
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"])
     blocks = seqs * (-(-context // block))
-    caches = [(torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype),
-               torch.randn(kv_heads, blocks + 1, block, dim, dtype=dtype)) for _ in range(layers)]
+    cpu = torch.device("cpu")  # in 2 MiB pages, as the worker's cache (host_memory.zeros)
+    caches = [tuple(host_memory.zeros((kv_heads, blocks + 1, block, dim), dtype, cpu).normal_()
+                    for _ in range(2)) for _ in range(layers)]
     tables = torch.randperm(blocks).view(seqs, -1)
     shared_blocks = shared // block
     tables[:, :shared_blocks] = tables[0, :shared_blocks].clone()
