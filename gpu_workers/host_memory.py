@@ -21,7 +21,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         return torch.zeros(shape, dtype=dtype, device=device)
     out = torch.empty(shape, dtype=dtype)
     start = -(-out.data_ptr() // _HUGE) * _HUGE
-    end = (out.data_ptr() + out.numel() * out.element_size()) // _HUGE * _HUGE
+    end = (out.data_ptr() + out.nbytes) // _HUGE * _HUGE
     if end > start:
         # Heeded where transparent huge pages are "madvise" (as most distributions ship them)
         # or "always"; a refusal leaves 4 KiB pages, which the start-up line then shows.
@@ -34,7 +34,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 def huge_page_bytes(t: torch.Tensor) -> int:
     """Bytes of the mappings under t that lie in transparent huge pages (0 where unknown);
     zeros' advice splits t's mapping in two, the part before the first 2 MiB boundary apart."""
-    low, high = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    low, high = t.data_ptr(), t.data_ptr() + t.nbytes
     total, inside = 0, False
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/smaps").read_text().splitlines():
