@@ -4,7 +4,10 @@ projection)."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -99,3 +102,20 @@ def init_groups(rank: int, tp_size: int, splits: list[range], device: torch.devi
             group = made
     return TensorParallel(tp_rank, tp_size, expert_parallel, group=group,
                           root=index * tp_size), stage
+
+
+def exit_process(code: int | str | None = 0) -> NoReturn:
+    """End a process (its own cleanup done) as sys.exit(code) would, but without the
+    interpreter's finalization where it joined a process group: CPython 3.11 ends a thread that
+    asks for the GIL during finalization with pthread_exit, and a gloo thread still releasing
+    its last collective's tensors (it frees their Python objects) unwinds through a noexcept C++
+    frame: SIGABRT, "terminate called without an active exception", after the rank's work."""
+    if not dist.is_initialized():
+        sys.exit(code)
+    logging.shutdown()
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # as sys.exit prints a message
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+

@@ -154,6 +154,8 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
     finally:
         ring.close()
         ctx.destroy(linger=500)
+        status.close()
+        status.join_thread()  # what it put is sent before the process ends (exit_process)
 
 
 def _huge_page_note(kv_cache: torch.Tensor) -> str:

@@ -31,10 +31,15 @@ _RESTART_WINDOW_S = 60.0
 
 def _run_worker(*args: Any) -> None:
     """A worker's entry: torch is imported in the worker alone (the supervisor would spend 2 s
-    of every start-up and 250 MB on it)."""
+    of every start-up and 250 MB on it). A rank of a group ends through exit_process."""
+    from gpu_workers.parallel import exit_process
     from gpu_workers.worker import run_worker
 
-    run_worker(*args)
+    try:
+        run_worker(*args)
+    except SystemExit as e:
+        exit_process(e.code)
+    exit_process(0)
 
 
 class _Replica:

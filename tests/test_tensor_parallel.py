@@ -44,10 +44,16 @@ def _rank_main(rank: int, size: int, folder: str, store: str, out: mp.Queue,
     for name, ids in prompts.items():
         engine.add(name, ids, n_tokens)
     out.put((rank, engine.run()))
-    # Leaving with the group alive lets gloo's threads be torn down under it: a rank then dies
-    # of SIGABRT ("terminate called without an active exception") after its answer.
-    if torch.distributed.is_initialized():  # a group of 1 has none
-        torch.distributed.destroy_process_group()
+    leave(out)
+
+
+def leave(out: mp.Queue) -> None:
+    """End a rank once its answer is sent, as the server's workers end (exit_process)."""
+    from gpu_workers.parallel import exit_process
+
+    out.close()
+    out.join_thread()
+    exit_process(0)
 
 
 def _run_group(size: int, folder: str, tmp_path, quantization: str = "none",
@@ -68,6 +74,36 @@ def _run_group(size: int, folder: str, tmp_path, quantization: str = "none",
         p.join(30)
         assert p.exitcode == 0
     return results
+
+
+def _busy_rank_main(rank: int, store: str, out: mp.Queue) -> None:
+    """A rank that ends with its last collectives still in gloo's threads."""
+    import torch.distributed as dist
+
+    from gpu_workers.parallel import exit_process
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    works = [dist.all_reduce(torch.full((20000,), float(i)), async_op=True) for i in range(200)]
+    works[0].wait()
+    del works
+    out.put(rank)
+    leave(out)
+
+
+def test_a_rank_ends_cleanly_with_collectives_in_flight(tmp_path):
+    """exit_process: the rank skips the interpreter's finalization, which a gloo thread freeing
+    its tensors' Python objects would abort (SIGABRT in every run of this test with sys.exit)."""
+    ctx = mp.get_context("spawn")
+    for attempt in range(3):
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_busy_rank_main, args=(r, str(tmp_path / f"s{attempt}"), out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        assert sorted(out.get(timeout=60) for _ in procs) == [0, 1]
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0, 0]
 
 
 @pytest.fixture(scope="module")
