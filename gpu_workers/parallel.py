@@ -118,4 +118,3 @@ def exit_process(code: int | str | None = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
-

@@ -80,8 +80,6 @@ def _busy_rank_main(rank: int, store: str, out: mp.Queue) -> None:
     """A rank that ends with its last collectives still in gloo's threads."""
     import torch.distributed as dist
 
-    from gpu_workers.parallel import exit_process
-
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     works = [dist.all_reduce(torch.full((20000,), float(i)), async_op=True) for i in range(200)]
     works[0].wait()
