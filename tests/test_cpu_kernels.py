@@ -397,6 +397,30 @@ def test_panel_linear_is_within_bf16_rounding_of_the_exact_product(m, k2, n, see
 
 
 @needs_panels
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 200), st.integers(1, 4), seeds)
+def test_panel_silu_linear_gives_silu_mul_of_the_panel_product(m, k2, pairs, seed):
+    """gate_up's panels with SiLU * up applied as the tiles are stored: silu_mul's bits of
+    panel_linear's output, at every row count; NaN where the gate is +-inf as silu_mul's."""
+    torch.manual_seed(seed)
+    n = 2 * 48 * pairs
+    x, weight = torch.randn(m, 2 * k2).bfloat16(), torch.randn(n, 2 * k2).bfloat16()
+    x[0, 0] = float("inf")
+    panels = matmul_cpu.pack_panels(weight)
+    got = extension().panel_silu_linear(x, panels, n)
+    want = extension().silu_mul(extension().panel_linear(x, panels, n))
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@needs_panels
+def test_panel_silu_linear_refuses_halves_that_are_not_whole_panels():
+    panels = matmul_cpu.pack_panels(torch.randn(100, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="each half a whole number of panels"):
+        extension().panel_silu_linear(torch.randn(3, 64).bfloat16(), panels, 100)
+
+
+@needs_panels
 def test_panel_linear_refuses_what_it_was_not_packed_for():
     panels = matmul_cpu.pack_panels(torch.randn(100, 64).bfloat16())
     with pytest.raises(RuntimeError, match="panels as panel_pack made them"):

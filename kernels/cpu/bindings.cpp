@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_available", &panels_available, "whether this build has panel_linear");
   m.def("panel_pack", &panel_pack, "W [N, K] in panel_linear's panels of 48 features");
   m.def("panel_linear", &panel_linear, "x W^T on W's panels (panel_pack), bf16, fp32 sums");
+  m.def("panel_silu_linear", &panel_silu_linear,
+        "SiLU(x G^T) * (x U^T) on gate_up's panels, as silu_mul(panel_linear(...))");
   m.def("amx_available", &amx_available, "whether this build and process have AMX tiles");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of x = [gate | up], one pass");
   m.def("rotate_and_store", &rotate_and_store, "rotary on q and k, then k and v into the cache");

@@ -23,6 +23,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight);
 bool panels_available();
 at::Tensor panel_pack(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n);
+bool panel_silu_fits(const at::Tensor& panels, int64_t n);
+at::Tensor panel_silu_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n);
 bool amx_available();
 at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& logits);

@@ -116,6 +116,11 @@ std::vector<at::Tensor> decoder_layer(
                                   visible, scale, window, softcap, shared_rows, shared_keys);
   auto normed = add_rms_norm(project(attended.view({t, heads * dim}), o, activation_bits), res,
                              mlp_norm, eps);
-  auto up = silu_mul(project(normed[0], gate_up, activation_bits));
+  // On W's panels, SiLU * up as gate_up's tiles are stored: no [t, 2F] pass between them and
+  // one parallel region fewer a layer (~3% of a 64-sequence step).
+  auto up = gate_up.size() == 2 && !gate_up[1].is_mkldnn() &&
+                    panel_silu_fits(gate_up[1], gate_up[0].size(0))
+                ? panel_silu_linear(normed[0], gate_up[1], gate_up[0].size(0))
+                : silu_mul(project(normed[0], gate_up, activation_bits));
   return {project(up, down, activation_bits), normed[1]};
 }

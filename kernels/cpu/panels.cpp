@@ -5,13 +5,16 @@
 // loaded W vector serves 8 rows. A thread walks its panels in order, prefetching the next one
 // into L2 while this one computes: a decode step's W comes from memory, and oneDNN's blocked
 // GEMM (which this replaces on AVX-512 BF16 CPUs without AMX) stalls on it
-// (bench.cpu_backend_step --against onednn).
+// (bench.cpu_backend_step --against onednn). panel_silu_linear runs a gate panel and its up
+// panel in one task and stores SiLU(gate) * up, the MLP's activation, straight from the tiles.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+
+#include "silu.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -64,6 +67,38 @@ using Tile = void (*)(const at::BFloat16*, int64_t, const uint32_t*, int64_t, at
                       int64_t, int64_t, const char*, int64_t, int64_t);
 constexpr Tile kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
                                     tile<5>, tile<6>, tile<7>, tile<8>};
+
+// A panel's cache lines spread over a task's n tiles: tile i prefetches its share (none where
+// `panel` is null: the thread's next task reads no other panel).
+struct Spread {
+  const char* lines;
+  int64_t count, share, every;
+
+  Spread(const uint32_t* panel, int64_t kp, int64_t n)
+      : lines(reinterpret_cast<const char*>(panel)), count(panel ? kp * kPanel * 4 / 64 : 0),
+        share((kp * kPanel * 4 / 64 + n - 1) / n), every((share + kp - 1) / kp) {}
+  const char* from(int64_t i) const { return lines + i * share * 64; }
+  int64_t lines_of(int64_t i) const { return std::clamp<int64_t>(count - i * share, 0, share); }
+};
+
+// Runs task(unit, t0, t1, last) over (unit, chunk of row tiles) pairs: a unit is a panel, or a
+// gate panel and its up panel. A unit's chunks lie next to each other so that a thread reads
+// each of its panels from memory once: chunks of kChunkRows, and more where there are too few
+// units to keep every thread busy. `last`: the thread's next task reads unit + 1.
+template <typename Task>
+void for_tasks(int64_t units, int64_t M, const Task& task) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t busy = (2 * at::get_num_threads() + units - 1) / units;
+  const int64_t chunks = std::min(tiles, std::max((M + kChunkRows - 1) / kChunkRows, busy));
+  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
+  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j = t / chunks, c = t % chunks;
+      const int64_t t0 = c * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
+      if (t0 < t1) task(j, t0, t1, c == chunks - 1 && t + 1 < end && j + 1 < units);
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -103,31 +138,57 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows, panel = kp * kPanel;
-  // Tasks are (panel, chunk of rows), a panel's chunks next to each other so that a thread
-  // reads each of its panels from memory once: chunks of kChunkRows, and more where there
-  // are too few panels to keep every thread busy.
-  const int64_t busy = (2 * at::get_num_threads() + P - 1) / P;
-  const int64_t chunks = std::min(tiles, std::max((M + kChunkRows - 1) / kChunkRows, busy));
-  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
-  const int64_t lines = panel * 4 / 64;
-  at::parallel_for(0, P * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t j = task / chunks, c = task % chunks;
-      const int64_t t0 = c * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
-      if (t0 >= t1) continue;
-      // The next panel's lines over this task's tiles, if the thread's next task reads it.
-      const bool ahead = c == chunks - 1 && task + 1 < end && j + 1 < P;
-      const int64_t share = (lines + (t1 - t0) - 1) / (t1 - t0), every = (share + kp - 1) / kp;
-      const char* next = reinterpret_cast<const char*>(wp + (j + 1) * panel);
-      const int64_t cols = std::min(kPanel, n - j * kPanel);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m);
-        const int64_t from = (t - t0) * share;
-        const int64_t count = ahead ? std::clamp<int64_t>(lines - from, 0, share) : 0;
-        kTiles[rows - 1](xp + m * K, K, wp + j * panel, kp, op + m * n + j * kPanel, n, cols,
-                         next + from * 64, count, every);
-      }
+  const int64_t panel = kp * kPanel;
+  for_tasks(P, M, [&](int64_t j, int64_t t0, int64_t t1, bool last) {
+    const Spread ahead(last ? wp + (j + 1) * panel : nullptr, kp, t1 - t0);
+    const int64_t cols = std::min(kPanel, n - j * kPanel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m);
+      kTiles[rows - 1](xp + m * K, K, wp + j * panel, kp, op + m * n + j * kPanel, n, cols,
+                       ahead.from(t - t0), ahead.lines_of(t - t0), ahead.every);
+    }
+  });
+#endif
+  return out;
+}
+
+// Whether panel_silu_linear takes gate_up's panels for n rows: its gate and up halves each a
+// whole number of panels, so that gate panel j and up panel j hold the same features.
+bool panel_silu_fits(const at::Tensor& panels, int64_t n) {
+  return panels_available() && n % (2 * kPanel) == 0 && panels.size(0) * kPanel == n;
+}
+
+// SiLU(x G^T) * (x U^T) for gate_up = [G | U] as panel_pack packed it (n rows, see
+// panel_silu_fits): panel_linear's products, each tile's gate and up sums rounded to bf16 as
+// panel_linear stores them, then silu_mul's arithmetic on them as they are stored: the bits of
+// silu_mul(panel_linear(x, gate_up, n)) without the [M, n] pass between them.
+at::Tensor panel_silu_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(panel_silu_fits(panels, n) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.size(1) == 2 * panels.size(1),
+              "panel_silu_linear: x [M, K] and gate_up's panels as panel_pack made them, each "
+              "half a whole number of panels");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), half = panels.size(0) / 2, kp = K / 2;
+  const int64_t width = n / 2;
+  auto out = at::empty({M, width}, x.options());
+#if defined(__AVX512BF16__)
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t panel = kp * kPanel;
+  for_tasks(half, M, [&](int64_t j, int64_t t0, int64_t t1, bool last) {
+    const uint32_t *gate = wp + j * panel, *up = wp + (j + half) * panel;
+    // The up panel comes in over the gate tiles, the next gate panel over the up tiles.
+    const Spread up_ahead(up, kp, t1 - t0), next(last ? gate + panel : nullptr, kp, t1 - t0);
+    at::BFloat16 g[kTileRows * kPanel], u[kTileRows * kPanel];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m), i = t - t0;
+      kTiles[rows - 1](xp + m * K, K, gate, kp, g, kPanel, kPanel, up_ahead.from(i),
+                       up_ahead.lines_of(i), up_ahead.every);
+      kTiles[rows - 1](xp + m * K, K, up, kp, u, kPanel, kPanel, next.from(i), next.lines_of(i),
+                       next.every);
+      for (int64_t r = 0; r < rows; ++r)
+        silu_mul_row(g + r * kPanel, u + r * kPanel, op + (m + r) * width + j * kPanel, kPanel);
     }
   });
 #endif
