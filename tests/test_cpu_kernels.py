@@ -634,12 +634,15 @@ def test_q4_packing_round_trips():
 
 def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> torch.Tensor:
     """x (float64) as the int4 or int8 product (int4a8, int8a8: asked for 8-bit activations)
-    reads it in a call of `rows` rows (x's own by default). Where it sums in integers
+    reads it in a call of `rows` rows (x's own by default; int4 on a bf16 x past a decode
+    step reads it as it is where the build has bf16 panels for it). Where it sums in integers
     (matmul_cpu.activation_bits), each block of 32 columns is rounded (to nearest even) to
     multiples of a step: to 16 bits, a power of two that puts the block's largest |x| in
     [2^14, 2^15) steps; to 8, the largest over 127 (fp32, as x times the step's fp32 inverse),
     never under the least normal float."""
-    bits = matmul_cpu.activation_bits(rows or x.shape[0], weight_mode(quantization)[1])
+    weights, asked = weight_mode(quantization)
+    bits = matmul_cpu.activation_bits(rows or x.shape[0], asked,
+                                      weights == "int4" and x.dtype == torch.bfloat16)
     if not bits:
         return x.double()
     blocks = x.float().view(x.shape[0], -1, 32)
@@ -688,6 +691,30 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quan
     assert ((got.double() - exact).abs() <= bound).all()
     reference = matmul_ref.int4_linear(x, matmul_ref.pack_q4(q), scales, mins)
     _assert_near_the_reference(got, reference, x, w, quantization)
+
+
+def test_int4_past_a_decode_step_sums_a_bf16_x_as_it_is():
+    """On AVX-512 BF16 (with VBMI) int4 at 16-bit activations multiplies a bf16 x past 4 rows
+    on bf16 panels of its nibbles, x unrounded: a value 2^-20 of its block's largest, which the
+    16-bit integer sums round to nothing, still counts. Elsewhere, and at 8 bits, the integer
+    sums round it away."""
+    torch.manual_seed(3)
+    n, k = 50, 64
+    q = torch.randint(1, 16, (n, k))
+    q[:, 0] = 0  # the block's largest x meets W = 0: the tiny value is all of the sum
+    scales, mins = torch.rand(n, 2) * 0.1 + 1e-3, torch.zeros(n, 2)
+    weights = matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins)
+    x = torch.zeros(9, k, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1] = 1.0, 2.0**-20
+    flags = set(_cpu_flags().split())
+    on_panels = {"avx512_bf16", "avx512vbmi"} <= flags
+    assert (matmul_cpu.activation_bits(9, 16, True) == 0) == on_panels
+    w = q.double() * scales.double().repeat_interleave(32, 1)
+    for bits in (16, 8):
+        got = matmul_cpu.int4_linear(x, weights, bits).double()
+        exact = _as_read(x, "int4" if bits == 16 else "int4a8") @ w.T
+        assert ((got - exact).abs() <= 2**-8 * exact.abs()).all(), bits
+        assert (got != 0).all() == (on_panels and bits == 16), bits
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

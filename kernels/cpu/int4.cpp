@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "integer_product.h"
+#include "kernels.h"
 #include "records.h"
 
 namespace {
@@ -16,8 +17,6 @@ namespace {
 // (high nibble), so a block's two halves widen to two contiguous vectors of 16 columns.
 using records::kBlock;
 
-// A row's nibbles, scale and minimum a block.
-inline records::Layout layout(int64_t K) { return {K, kBlock / 2, 2}; }
 
 // W in int4_pack's layout.
 struct Int4W {
@@ -112,12 +111,18 @@ at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
               "int4_pack: q uint8 [N, K / 2] on the CPU, in Q4_1 blocks");
   TORCH_CHECK(scales.dim() == 2 && scales.sizes() == mins.sizes() && scales.size(0) == q.size(0),
               "int4_pack: scales and mins [N, groups]");
-  return records::pack(q, {scales, mins}, layout(q.size(1) * 2));
+  return records::pack(q, {scales, mins}, records::int4(q.size(1) * 2));
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits) {
-  const records::Layout w = records::check("int4_linear", "int4_pack", x, blob, at::kByte, layout);
+  const records::Layout w =
+      records::check("int4_linear", "int4_pack", x, blob, at::kByte, records::int4);
+  if (int4_on_panels(x.scalar_type(), x.size(0), activation_bits))
+    return int4_panel_linear(x, blob);
   return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0), activation_bits);
 }
 
-int64_t activation_bits(int64_t rows, int64_t asked) { return integer::x_bits(rows, asked); }
+int64_t activation_bits(int64_t rows, int64_t asked, bool bf16_int4) {
+  if (bf16_int4 && int4_on_panels(at::kBFloat16, rows, asked)) return 0;
+  return integer::x_bits(rows, asked);
+}

@@ -7,13 +7,13 @@
 // GEMM (which this replaces on AVX-512 BF16 CPUs without AMX) stalls on it
 // (bench.cpu_backend_step --against onednn). panel_silu_linear runs a gate panel and its up
 // panel in one task and stores SiLU(gate) * up, the MLP's activation, straight from the tiles.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 
+#include "panels.h"
 #include "silu.h"
 
 #if defined(__AVX512BF16__)
@@ -22,12 +22,10 @@
 
 namespace {
 
-constexpr int64_t kVectors = 3;              // W vectors a k-pair of a panel
-constexpr int64_t kPanel = 16 * kVectors;    // output features a panel
-constexpr int64_t kTileRows = 8;             // rows of x a tile: 8 x 3 sums in registers
-// Rows of x a task takes at most: its tiles' x (K = 4096: 2 MB at 256 rows) stays in L2 while
-// the panel passes over it.
-constexpr int64_t kChunkRows = 256;
+using panels::for_tasks;
+using panels::kPanel;
+using panels::kTileRows;
+using panels::kVectors;
 
 #if defined(__AVX512BF16__)
 // rows x kPanel sums over the panel's kp pairs; `cols` of them are stored (the last panel's
@@ -80,25 +78,6 @@ struct Spread {
   const char* from(int64_t i) const { return lines + i * share * 64; }
   int64_t lines_of(int64_t i) const { return std::clamp<int64_t>(count - i * share, 0, share); }
 };
-
-// Runs task(unit, t0, t1, last) over (unit, chunk of row tiles) pairs: a unit is a panel, or a
-// gate panel and its up panel. A unit's chunks lie next to each other so that a thread reads
-// each of its panels from memory once: chunks of kChunkRows, and more where there are too few
-// units to keep every thread busy. `last`: the thread's next task reads unit + 1.
-template <typename Task>
-void for_tasks(int64_t units, int64_t M, const Task& task) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t busy = (2 * at::get_num_threads() + units - 1) / units;
-  const int64_t chunks = std::min(tiles, std::max((M + kChunkRows - 1) / kChunkRows, busy));
-  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
-  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t j = t / chunks, c = t % chunks;
-      const int64_t t0 = c * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
-      if (t0 < t1) task(j, t0, t1, c == chunks - 1 && t + 1 < end && j + 1 < units);
-    }
-  });
-}
 #endif
 
 }  // namespace
