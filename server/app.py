@@ -15,6 +15,7 @@ from aiohttp import web
 
 from server.auth import auth_middleware
 from server.connections import ConnectionGuard, connection_limit
+from server.context_keys import MAX_BODY_BYTES, TENANT
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
@@ -74,12 +75,12 @@ class Frontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), CompletionRequest)
-        return await self.respond(body, "completion", request["tenant"], request,
+        return await self.respond(body, "completion", request[TENANT], request,
                                   *await self.translator.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self.translator.decode_body(await self.read_body(request), ChatCompletionRequest)
-        return await self.respond(body, "chat", request["tenant"], request,
+        return await self.respond(body, "chat", request[TENANT], request,
                                   *await self.translator.prepare(body))
 
     async def run(self, body: Body, rid: str, prompts: list[list[int]],
@@ -404,7 +405,7 @@ def build_app(frontend: Frontend) -> web.Application:
                                        auth_middleware(keys, frontend.cfg),
                                        _work_middleware(frontend)],
                           client_max_size=max_body_bytes)
-    app["max_body_bytes"] = max_body_bytes
+    app[MAX_BODY_BYTES] = max_body_bytes
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
     app.router.add_get("/stats", frontend.stats)

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from server.context_keys import TENANT
 from server.errors import ApiError
 from surge.config import ServerConfig
 from surge.keys import Keys
@@ -58,13 +59,13 @@ def _check_operator(request: web.Request, keys: Keys | None, cfg: ServerConfig) 
 def auth_middleware(keys: Keys | None, cfg: ServerConfig) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request["tenant"] = "default"
+        request[TENANT] = "default"
         # By the route matched, not the path as written, so no spelling of it slips past.
         resource = request.match_info.route.resource
         if resource is not None and resource.canonical in _OPERATOR_PATHS:
             _check_operator(request, keys, cfg)
         elif keys is not None and request.path.startswith("/v1/"):
-            request["tenant"] = _tenant(keys, _bearer(request))
+            request[TENANT] = _tenant(keys, _bearer(request))
         return await handler(request)
 
     return middleware

@@ -16,6 +16,7 @@ from msgspec import Meta, Struct
 from server.app import Frontend
 from server.batch_runner import ENDPOINTS, BatchRunner
 from server.batch_store import TERMINAL, BatchStore
+from server.context_keys import TENANT
 from server.errors import ApiError
 from server.webhooks import Webhooks
 from surge.config import BatchConfig
@@ -83,7 +84,7 @@ class BatchApi:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-        return _json(self.store.add_file(request["tenant"], file_id, purpose, filename, size))
+        return _json(self.store.add_file(request[TENANT], file_id, purpose, filename, size))
 
     async def _save(self, part: BodyPartReader, path: Path) -> int:
         limit = self.cfg.batch_max_file_bytes
@@ -99,7 +100,7 @@ class BatchApi:
         return size
 
     def _file(self, request: web.Request) -> dict:
-        found = self.store.file(request["tenant"], request.match_info["id"])
+        found = self.store.file(request[TENANT], request.match_info["id"])
         if found is None:
             raise ApiError(404, f"no file {request.match_info['id']!r}", param="file_id")
         return found
@@ -107,7 +108,7 @@ class BatchApi:
     async def list_files(self, request: web.Request) -> web.Response:
         _check_query(request, {"purpose"})
         purpose = request.query.get("purpose")
-        data = [f for f in self.store.files(request["tenant"])
+        data = [f for f in self.store.files(request[TENANT])
                 if purpose is None or f["purpose"] == purpose]
         return _json({"object": "list", "data": data, "has_more": False,
                       "first_id": data[0]["id"] if data else None,
@@ -131,7 +132,7 @@ class BatchApi:
     async def create(self, request: web.Request) -> web.Response:
         body = self.frontend.translator.decode_body(await self.frontend.read_body(request),
                                                     BatchRequest)
-        tenant = request["tenant"]
+        tenant = request[TENANT]
         if body.endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}",
                            param="endpoint")
@@ -165,7 +166,7 @@ class BatchApi:
         return _json(batch)
 
     def _batch(self, request: web.Request) -> dict:
-        found = self.store.batch(request["tenant"], request.match_info["id"])
+        found = self.store.batch(request[TENANT], request.match_info["id"])
         if found is None:
             raise ApiError(404, f"no batch {request.match_info['id']!r}", param="batch_id")
         return found
@@ -178,7 +179,7 @@ class BatchApi:
         raw = request.query.get("limit", "20")
         if not raw.isdigit() or not 1 <= int(raw) <= 100:
             raise ApiError(400, "limit must be an integer from 1 to 100", param="limit")
-        data, more = self.store.batches(request["tenant"], request.query.get("after"),
+        data, more = self.store.batches(request[TENANT], request.query.get("after"),
                                         int(raw))
         return _json({"object": "list", "data": data, "has_more": more,
                       "first_id": data[0]["id"] if data else None,

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from server.context_keys import MAX_BODY_BYTES, TENANT
 from surge import metrics
 
 log = logging.getLogger("surge.frontend")
@@ -59,7 +60,7 @@ async def error_middleware(
     metrics.requests.labels(route.canonical if route else "unknown", str(response.status)).inc()
     access.info("%s %s %d", request.method, request.path, response.status, extra={
         "status": response.status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
-        "peer": request.remote, "tenant": request.get("tenant")})
+        "peer": request.remote, "tenant": request.get(TENANT)})
     return response
 
 
@@ -79,7 +80,7 @@ async def _answer(
         message = {404: f"no such path: {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}",
                    413: f"request body is larger than the limit of "
-                        f"{request.app['max_body_bytes']} bytes"}.get(e.status, e.reason)
+                        f"{request.app[MAX_BODY_BYTES]} bytes"}.get(e.status, e.reason)
         response = error_response(e.status, message)
         if e.status == 405 and "Allow" in e.headers:
             response.headers["Allow"] = e.headers["Allow"]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from server.context_keys import MAX_BODY_BYTES, TENANT
 from server.errors import ApiError, draining_error, error_body
 from server.generate import Piece
 from server.openai_types import ChatCompletionRequest, CompletionRequest
@@ -69,7 +70,7 @@ class _Message(msgspec.Struct, kw_only=True):
 
 async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=_HEARTBEAT_S,
-                               max_msg_size=request.app["max_body_bytes"])
+                               max_msg_size=request.app[MAX_BODY_BYTES])
     await ws.prepare(request)
     jobs: dict[str, asyncio.Task] = {}
     frontend.sockets.jobs[ws] = jobs
@@ -102,7 +103,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                                     "endpoint", param="tools")
             prompts, max_tokens, logprobs = await frontend.translator.prepare(body)
             pieces, degraded = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts,
-                                                  max_tokens, logprobs, request["tenant"])
+                                                  max_tokens, logprobs, request[TENANT])
             reasons: dict[int, str | None] = {}
             generated = 0
             async with aclosing(pieces) as stream:

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.auth import auth_middleware
 from server.connections import connection_limit
+from server.context_keys import TENANT
 from server.errors import error_middleware
 from surge.config import ServerConfig
 from surge.keys import KeyStore
@@ -244,7 +245,7 @@ def _operator_app(cfg: ServerConfig, keys: KeyStore | None) -> web.Application:
     """The real auth and error middlewares in front of stand-in endpoints."""
 
     async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"tenant": request["tenant"]})
+        return web.json_response({"tenant": request[TENANT]})
 
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys, cfg)])
     for path in ("/metrics", "/stats", "/v1/models"):
