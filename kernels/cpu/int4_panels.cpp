@@ -91,12 +91,20 @@ struct Panel {
     pairs.resize(blocks * kPairs * kPanel);
     steps.resize(blocks * kPanel);
     mins.resize(blocks * kPanel);
-    // Feature f's byte p of a block lies at 16 (f % 8) + p of the records of features
-    // [0, 8) or [8, 16) (two vectors each): index byte 4f selects it into f's word.
-    alignas(64) uint8_t first[64] = {};
-    for (int f = 0; f < 16; ++f) first[4 * f] = static_cast<uint8_t>((16 * f) % 128);
-    const __m512i index0 = _mm512_load_si512(first);
-    constexpr __mmask64 kLow = 0x11111111ULL, kHigh = kLow << 32;
+    // A block's bytes of 16 rows (4 records of 4) into each byte p's word of every row, in two
+    // rounds of byte permutes: per half of the records (rows [0, 8) and [8, 16)), byte
+    // 8 pp + f of gather[h] is row f's byte 8 h + pp (it lies at 16 f + p of the pair of
+    // records); then byte 4 f of byte p's word is row f's, from the halves' gathers.
+    alignas(64) uint8_t order[3][64] = {};
+    for (int f = 0; f < 8; ++f)
+      for (int pp = 0; pp < 8; ++pp)
+        for (int h = 0; h < 2; ++h) order[h][8 * pp + f] = static_cast<uint8_t>(16 * f + 8 * h + pp);
+    for (int f = 0; f < 16; ++f) order[2][4 * f] = static_cast<uint8_t>(f < 8 ? f : 56 + f);
+    const __m512i gather[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
+    __m512i spread[8];
+    for (int pp = 0; pp < 8; ++pp)
+      spread[pp] = _mm512_add_epi8(_mm512_load_si512(order[2]), _mm512_set1_epi8(8 * pp));
+    constexpr __mmask64 kWords = 0x1111111111111111ULL;  // each word's low byte
     const __m256i values = (__m256i)_mm512_cvtneps_pbh(
         _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __m512i bf16 = _mm512_broadcast_i64x4(values);  // nibble -> its bf16, exact
@@ -104,36 +112,32 @@ struct Panel {
     // Raw pointers: a vector store may alias anything, the vectors' own pointers included.
     uint32_t* out = pairs.data();
     float *step = steps.data(), *least = mins.data();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i z[kVectors][4];
-      for (int64_t v = 0; v < kVectors; ++v)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t v = 0; v < kVectors; ++v) {
+        __m512i z[4];
         for (int64_t q = 0; q < 4; ++q) {
           const int64_t f = n + 16 * v + 4 * q, rows = std::clamp<int64_t>(N - f, 0, 4);
           const int64_t at = b * kPanel + 16 * v + 4 * q;
-          std::fill(step + at, step + at + 4, 0.0f);
-          std::fill(least + at, least + at + 4, 0.0f);
-          z[v][q] = _mm512_setzero_si512();
-          if (rows == 0) continue;
-          const uint8_t* rec = blob + w.offset(f, rows, b * kBlock);
-          z[v][q] = _mm512_maskz_loadu_epi8(rows == 4 ? ~0ULL : (1ULL << (16 * rows)) - 1, rec);
+          const uint8_t* rec = rows ? blob + w.offset(f, rows, b * kBlock) : blob;
+          const auto real = static_cast<__mmask8>((1u << rows) - 1);
           const float* floats = reinterpret_cast<const float*>(rec + rows * kPairs);
-          std::copy(floats, floats + rows, step + at);
-          std::copy(floats + rows, floats + 2 * rows, least + at);
+          z[q] = _mm512_maskz_loadu_epi8(rows == 4 ? ~0ULL : (1ULL << (16 * rows)) - 1, rec);
+          _mm_storeu_ps(step + at, _mm_maskz_loadu_ps(real, floats));
+          _mm_storeu_ps(least + at, _mm_maskz_loadu_ps(real, floats + rows));
         }
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512i index = _mm512_add_epi8(index0, _mm512_set1_epi8(static_cast<char>(p)));
-        for (int64_t v = 0; v < kVectors; ++v) {
-          const __m512i bytes =
-              _mm512_or_si512(_mm512_maskz_permutex2var_epi8(kLow, z[v][0], index, z[v][1]),
-                              _mm512_maskz_permutex2var_epi8(kHigh, z[v][2], index, z[v][3]));
-          // A byte c -> its word's halves (c & 15, c >> 4): (c | c << 12) & 0x000F000F.
-          const __m512i split =
-              _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
-          _mm512_storeu_si512(out + (b * kPairs + p) * kPanel + 16 * v,
-                              _mm512_permutexvar_epi16(split, bf16));
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m512i low = _mm512_permutex2var_epi8(z[0], gather[h], z[1]);
+          const __m512i high = _mm512_permutex2var_epi8(z[2], gather[h], z[3]);
+          for (int64_t pp = 0; pp < 8; ++pp) {
+            const __m512i bytes = _mm512_maskz_permutex2var_epi8(kWords, low, spread[pp], high);
+            // A byte c -> its word's halves (c & 15, c >> 4): (c | c << 12) & 0x000F000F.
+            const __m512i split =
+                _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
+            _mm512_storeu_si512(out + (b * kPairs + 8 * h + pp) * kPanel + 16 * v,
+                                _mm512_permutexvar_epi16(split, bf16));
+          }
         }
       }
-    }
   }
 };
 
