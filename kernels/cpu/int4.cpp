@@ -3,6 +3,8 @@
 // fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
 // (x is, where the products sum in integers: integer_product.h). The weights are repacked
 // once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
+// On AVX-512 BF16 with VBMI a bf16 x past a decode step at 16 bits takes int4_panels.cpp's
+// product instead, from the same records.
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
@@ -16,7 +18,6 @@ namespace {
 // Q4_1's block: 32 columns in 16 bytes, byte i holding column i (low nibble) and column i + 16
 // (high nibble), so a block's two halves widen to two contiguous vectors of 16 columns.
 using records::kBlock;
-
 
 // W in int4_pack's layout.
 struct Int4W {

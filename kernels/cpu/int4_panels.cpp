@@ -83,8 +83,8 @@ struct PairedX {
 struct Panel {
   std::vector<uint32_t> pairs;
   std::vector<float> steps, mins;
-  uint64_t call = 0;  // which call's panel this is (int4_panel_linear numbers them) ...
-  int64_t n = -1;     // ... and its first row: a thread's chunks of one panel decode it once
+  uint64_t call = 0;   // which call's panel this is (int4_panel_linear numbers them) ...
+  int64_t first = -1;  // ... and its first row: a thread's chunks of one panel decode it once
 
   void decode(const uint8_t* blob, const records::Layout& w, int64_t N, int64_t n) {
     const int64_t blocks = w.K / kBlock;
@@ -98,7 +98,8 @@ struct Panel {
     alignas(64) uint8_t order[3][64] = {};
     for (int f = 0; f < 8; ++f)
       for (int pp = 0; pp < 8; ++pp)
-        for (int h = 0; h < 2; ++h) order[h][8 * pp + f] = static_cast<uint8_t>(16 * f + 8 * h + pp);
+        for (int h = 0; h < 2; ++h)
+          order[h][8 * pp + f] = static_cast<uint8_t>(16 * f + 8 * h + pp);
     for (int f = 0; f < 16; ++f) order[2][4 * f] = static_cast<uint8_t>(f < 8 ? f : 56 + f);
     const __m512i gather[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
     __m512i spread[8];
@@ -214,10 +215,10 @@ at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& blob) {
   const uint64_t call = ++calls;
   panels::for_tasks((N + kPanel - 1) / kPanel, M, [&](int64_t j, int64_t t0, int64_t t1, bool) {
     thread_local Panel panel;
-    if (panel.call != call || panel.n != j * kPanel) {
+    if (panel.call != call || panel.first != j * kPanel) {
       panel.decode(bytes, w, N, j * kPanel);
       panel.call = call;
-      panel.n = j * kPanel;
+      panel.first = j * kPanel;
     }
     const int64_t cols = std::min(kPanel, N - j * kPanel);
     for (int64_t t = t0; t < t1; ++t) {
