@@ -82,8 +82,8 @@ def activation_bits(rows: int, asked: int = 16, bf16_int4: bool = False) -> int:
     """The bits int4_linear and int8_linear round x to, a block of 32 columns, to sum in
     integers for a call of `rows` rows of x, asked for `asked` (8 or 16); 0 where they read x
     as it is (kernels/cpu/integer_product.h: AVX2 builds without AVX-512 16 bits at every row
-    count; AVX-512 VNNI builds as asked past the decode tile of 4, but for int4_linear on a
-    bf16 x, bf16_int4, at 16 on AVX-512 BF16 builds: bf16 panels, kernels/cpu/int4_panels.cpp)."""
+    count; AVX-512 VNNI builds as asked past the decode tile of 4, but int4_linear on a bf16
+    x (bf16_int4) at 16 on AVX-512 BF16 and VBMI builds: bf16 panels, int4_panels.cpp)."""
     return extension().activation_bits(rows, asked, bf16_int4)
 
 
