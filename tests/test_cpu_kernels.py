@@ -656,11 +656,25 @@ def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> tor
     return torch.where(largest > 0, rounded, 0.0).view_as(x)
 
 
+def _w_as_read(w: torch.Tensor, x: torch.Tensor, quantization: str) -> torch.Tensor:
+    """W (float64) as the product multiplies it: where int4 takes a bf16 x on bf16 panels
+    (x read as it is where the integer sums would round it), each fp32 weight rounded once to
+    bf16, as bf16 serving of the same file has it."""
+    weights, asked = weight_mode(quantization)
+    rows = x.shape[0]
+    on_panels = (weights == "int4" and x.dtype == torch.bfloat16
+                 and matmul_cpu.activation_bits(rows, asked, True)
+                 != matmul_cpu.activation_bits(rows, asked))
+    return w.float().bfloat16().double() if on_panels else w
+
+
 def _assert_near_the_reference(got: torch.Tensor, reference: torch.Tensor, x: torch.Tensor,
                                w: torch.Tensor, quantization: str) -> None:
     """The reference backend's product (kernels.matmul, x as it is) within one rounding to
-    x's dtype, plus what x's rounding for the integer sums can move it."""
-    slack = (_as_read(x, quantization) - x.double()).abs() @ w.abs().T
+    x's dtype, plus what the product's reading of x and W can move it."""
+    read = _as_read(x, quantization)
+    slack = ((read - x.double()).abs() @ w.abs().T
+             + read.abs() @ (_w_as_read(w, x, quantization) - w).abs().T)
     bound = 2**-7 * reference.double().abs() + 1e-4 + slack
     assert ((got.double() - reference.double()).abs() <= bound).all()
 
@@ -672,8 +686,9 @@ def _assert_near_the_reference(got: torch.Tensor, reference: torch.Tensor, x: to
        st.sampled_from(["int4", "int4a8"]), seeds)
 def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quantization, seed):
     """Against the exact product of the dequantized weight: the steps and minimums reach
-    the sums unrounded (fp32), whatever the rows, groups of 32 or 64 columns, dtype, and
-    activation bits (x as the integer sums read it, _as_read)."""
+    the sums unrounded (fp32; on bf16 panels each weight rounded once to bf16), whatever the
+    rows, groups of 32 or 64 columns, dtype, and activation bits (x as the integer sums read
+    it, _as_read; W as the product multiplies it, _w_as_read)."""
     torch.manual_seed(seed)
     k = groups * group
     q = torch.randint(0, 16, (n, k))
@@ -685,7 +700,7 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quan
     assert got.shape == (m, n) and got.dtype == dtype
     w = (q.double() * scales.double().repeat_interleave(group, 1)
          + mins.double().repeat_interleave(group, 1))
-    exact = _as_read(x, quantization) @ w.T
+    exact = _as_read(x, quantization) @ _w_as_read(w, x, quantization).T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
@@ -695,9 +710,9 @@ def test_int4_linear_is_the_dequantized_product(m, groups, n, group, dtype, quan
 
 def test_int4_past_a_decode_step_sums_a_bf16_x_as_it_is():
     """On AVX-512 BF16 (with VBMI) int4 at 16-bit activations multiplies a bf16 x past 4 rows
-    on bf16 panels of its nibbles, x unrounded: a value 2^-20 of its block's largest, which the
-    16-bit integer sums round to nothing, still counts. Where a build's integer sums take x (at
-    8 bits, or without those panels) they round it away."""
+    on bf16 panels of its dequantized weights, x unrounded: a value 2^-20 of its block's
+    largest, which the 16-bit integer sums round to nothing, still counts. Where a build's
+    integer sums take x (at 8 bits, or without those panels) they round it away."""
     torch.manual_seed(3)
     n, k = 50, 64
     q = torch.randint(1, 16, (n, k))
@@ -712,11 +727,32 @@ def test_int4_past_a_decode_step_sums_a_bf16_x_as_it_is():
     w = q.double() * scales.double().repeat_interleave(32, 1)
     for bits in (16, 8):
         got = matmul_cpu.int4_linear(x, weights, bits).double()
-        exact = _as_read(x, "int4" if bits == 16 else "int4a8") @ w.T
+        mode = "int4" if bits == 16 else "int4a8"
+        exact = _as_read(x, mode) @ _w_as_read(w, x, mode).T
         assert ((got - exact).abs() <= 2**-8 * exact.abs()).all(), bits
         kept = matmul_cpu.activation_bits(9, bits, True) == 0  # x read as it is
         assert kept == (on_panels and bits == 16) or "avx512_vnni" not in flags, bits
         assert (got != 0).all() == kept, bits
+
+
+@pytest.mark.skipif(matmul_cpu.activation_bits(5, 16, True) == matmul_cpu.activation_bits(5),
+                    reason="no bf16 panels for int4 in this build (AVX-512 BF16 and VBMI)")
+@settings(max_examples=20, deadline=None)
+@given(st.integers(5, 40), st.integers(1, 6), st.integers(1, 100), seeds)
+def test_int4_on_panels_is_bf16_servings_product(m, blocks, n, seed):
+    """Where int4 takes a bf16 x on bf16 panels (past the decode tile), its bits are the bf16
+    panels' product of the weights bf16 serving of the same file multiplies: q * step + min,
+    rounded once to fp32 and once to bf16."""
+    torch.manual_seed(seed)
+    k = 32 * blocks
+    q = torch.randint(0, 16, (n, k))
+    scales, mins = torch.rand(n, blocks) * 0.1 + 1e-3, -torch.rand(n, blocks)
+    x = torch.randn(m, k).bfloat16()
+    got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins))
+    w = (q.double() * scales.double().repeat_interleave(32, 1)
+         + mins.double().repeat_interleave(32, 1))  # exact in float64
+    panels = matmul_cpu.pack_panels(w.float().bfloat16())
+    assert torch.equal(got, extension().panel_linear(x, panels, n))
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
@@ -831,16 +867,16 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
 @pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8", "int8a8"])
 def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
     """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole
-    (AVX-512 VNNI builds: the integer sums still): still the fp32 dequantized weights, within
-    bf16 rounding of the exact product of x as the product reads it, on either side of
-    widen_rows."""
+    (AVX-512 VNNI builds: the integer sums still; int4 on a bf16 x, bf16 panels where the
+    build has them): still the dequantized weights, within bf16 rounding of the exact product
+    of x and W as the product reads them, on either side of widen_rows."""
     torch.manual_seed(1)
     n, k = 37, 96
     weights, product, w = _low_bit(quantization, n, k)
     for m in (matmul_cpu.widen_rows(), matmul_cpu.widen_rows() + 1):
         x = torch.randn(m, k).bfloat16()
         got = product(x, *weights)
-        exact = _as_read(x, quantization) @ w.T
+        exact = _as_read(x, quantization) @ _w_as_read(w, x, quantization).T
         bound = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
         assert got.shape == (m, n) and ((got.double() - exact).abs() <= bound).all(), m
 

@@ -4,7 +4,7 @@
 // (x is, where the products sum in integers: integer_product.h). The weights are repacked
 // once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
 // On AVX-512 BF16 with VBMI a bf16 x past a decode step at 16 bits takes int4_panels.cpp's
-// product instead, from the same records.
+// product instead, from the same records, which rounds each fp32 weight once to bf16.
 #include <ATen/core/Tensor.h>
 
 #include <cmath>

@@ -16,55 +16,14 @@
 #include "panels.h"
 #include "silu.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using panels::for_tasks;
 using panels::kPanel;
 using panels::kTileRows;
-using panels::kVectors;
 
 #if defined(__AVX512BF16__)
-// rows x kPanel sums over the panel's kp pairs; `cols` of them are stored (the last panel's
-// are fewer). Along the way `count` cache lines from `ahead` are prefetched into L2, `every` a
-// pair: the thread's next panel, spread over this panel's tiles.
-template <int rows>
-void tile(const at::BFloat16* x, int64_t K, const uint32_t* panel, int64_t kp,
-          at::BFloat16* out, int64_t ldo, int64_t cols, const char* ahead, int64_t count,
-          int64_t every) {
-  __m512 acc[rows][kVectors];
-  for (int m = 0; m < rows; ++m)
-    for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);  // x's (k, k + 1), K even
-  const int64_t ldp = K / 2;
-  for (int64_t p = 0; p < kp; ++p) {
-    for (int64_t i = 0; i < every && count > 0; ++i, --count, ahead += 64)
-      _mm_prefetch(ahead, _MM_HINT_T1);
-    __m512bh w[kVectors];
-    for (int j = 0; j < kVectors; ++j)
-      w[j] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * j);
-    for (int m = 0; m < rows; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pairs[m * ldp + p]);
-      for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
-    }
-  }
-  // Each sum rounded to bf16 once, to nearest even, as oneDNN's bf16 product rounds it.
-  for (int m = 0; m < rows; ++m)
-    for (int j = 0; j < kVectors; ++j) {
-      const int64_t left = std::clamp<int64_t>(cols - 16 * j, 0, 16);
-      if (left == 0) break;
-      _mm256_mask_storeu_epi16(out + m * ldo + 16 * j, static_cast<__mmask16>((1u << left) - 1),
-                               (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
-    }
-}
-
-using Tile = void (*)(const at::BFloat16*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
-                      int64_t, int64_t, const char*, int64_t, int64_t);
-constexpr Tile kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
-                                    tile<5>, tile<6>, tile<7>, tile<8>};
+using panels::kTiles;
 
 // A panel's cache lines spread over a task's n tiles: tile i prefetches its share (none where
 // `panel` is null: the thread's next task reads no other panel).
