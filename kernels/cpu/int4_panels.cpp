@@ -41,29 +41,34 @@ struct Panel {
   void decode(const uint8_t* blob, const records::Layout& w, int64_t N, int64_t n) {
     const int64_t blocks = w.K / kBlock;
     pairs.resize(blocks * kPairs * kPanel);
-    // A block's bytes of 16 rows (4 records of 4) into each byte p's word of every row, in two
-    // rounds of byte permutes: per half of the records (rows [0, 8) and [8, 16)), byte
-    // 8 pp + f of gather[h] is row f's byte 8 h + pp (it lies at 16 f + p of the pair of
-    // records); then byte 4 f of byte p's word is row f's, from the halves' gathers.
-    alignas(64) uint8_t order[3][64] = {};
+    // A block's bytes of 16 rows (4 records of 4) into words in two rounds of byte permutes:
+    // per half of the records (rows [0, 8) and [8, 16)), byte 8 pp + f of gather[h] is row f's
+    // byte 8 h + pp (it lies at 16 f + p of the pair of records); then, for an even byte p,
+    // the low byte of word 2 f + e of spread[pp / 2][s] is row 8 s + f's byte p + e, from the
+    // halves' gathers: 8 rows' bytes p and p + 1 in panel_pack's pair order.
+    alignas(64) uint8_t order[2][64] = {};
     for (int f = 0; f < 8; ++f)
       for (int pp = 0; pp < 8; ++pp)
         for (int h = 0; h < 2; ++h)
           order[h][8 * pp + f] = static_cast<uint8_t>(16 * f + 8 * h + pp);
-    for (int f = 0; f < 16; ++f) order[2][4 * f] = static_cast<uint8_t>(f < 8 ? f : 56 + f);
     const __m512i gather[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
-    __m512i spread[8];
-    for (int pp = 0; pp < 8; ++pp)
-      spread[pp] = _mm512_add_epi8(_mm512_load_si512(order[2]), _mm512_set1_epi8(8 * pp));
-    // Two vectors' bf16s, [a | b] as _mm512_cvtne2ps_pbh(b, a) leaves them, into pairs (a, b).
-    alignas(64) int16_t zip[32];
-    for (int i = 0; i < 16; ++i) {
-      zip[2 * i] = static_cast<int16_t>(i);
-      zip[2 * i + 1] = static_cast<int16_t>(16 + i);
-    }
-    const __m512i interleave = _mm512_load_si512(zip);
+    __m512i spread[4][2];
+    for (int pp = 0; pp < 8; pp += 2)
+      for (int s = 0; s < 2; ++s) {
+        alignas(64) uint8_t bytes[64] = {};
+        for (int f = 0; f < 8; ++f)
+          for (int e = 0; e < 2; ++e)
+            bytes[4 * (2 * f + e)] = static_cast<uint8_t>(64 * s + 8 * (pp + e) + f);
+        spread[pp / 2][s] = _mm512_load_si512(bytes);
+      }
     constexpr __mmask64 kWords = 0x1111111111111111ULL;  // each word's low byte
-    const __m512i low_nibble = _mm512_set1_epi32(15);
+    // Each row's step and minimum for both words of its pair: lanes (2 i, 2 i + 1) <- i.
+    const __m512i twice[2] = {
+        _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+        _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)};
+    // A word's low nibble as a float: the lookup reads an index's low 4 bits only.
+    const __m512 nibble =
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t* out = pairs.data();
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t v = 0; v < kVectors; ++v) {
@@ -78,29 +83,33 @@ struct Panel {
           _mm_store_ps(steps + 4 * q, _mm_maskz_loadu_ps(real, floats));
           _mm_store_ps(mins + 4 * q, _mm_maskz_loadu_ps(real, floats + rows));
         }
-        const __m512 step = _mm512_load_ps(steps), least = _mm512_load_ps(mins);
-        auto value = [&](__m512i q) {
-          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), step, least);
-        };
-        // Columns k and k + 1 of the block into pair k / 2: bytes k and k + 1's low nibbles,
-        // and their high nibbles for columns k + 16 and k + 17.
+        __m512 step[2], least[2];
+        for (int s = 0; s < 2; ++s) {
+          step[s] = _mm512_permutexvar_ps(twice[s], _mm512_load_ps(steps));
+          least[s] = _mm512_permutexvar_ps(twice[s], _mm512_load_ps(mins));
+        }
+        // Pair `pair` of the block: rows [0, 8) from a's floats, [8, 16) from c's, each
+        // q * step + min rounded once to bf16.
         auto store = [&](int64_t pair, __m512 a, __m512 c) {
+          const __m512 wa = _mm512_fmadd_ps(a, step[0], least[0]);
+          const __m512 wc = _mm512_fmadd_ps(c, step[1], least[1]);
           _mm512_storeu_si512(out + (b * kPairs + pair) * kPanel + 16 * v,
-                              _mm512_permutexvar_epi16(interleave,
-                                                       (__m512i)_mm512_cvtne2ps_pbh(c, a)));
+                              (__m512i)_mm512_cvtne2ps_pbh(wc, wa));
         };
+        auto high = [](__m512i bytes) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)); };
         for (int64_t h = 0; h < 2; ++h) {
-          const __m512i low = _mm512_permutex2var_epi8(z[0], gather[h], z[1]);
-          const __m512i high = _mm512_permutex2var_epi8(z[2], gather[h], z[3]);
+          const __m512i top = _mm512_permutex2var_epi8(z[0], gather[h], z[1]);
+          const __m512i bottom = _mm512_permutex2var_epi8(z[2], gather[h], z[3]);
           for (int64_t pp = 0; pp < 8; pp += 2) {
-            const __m512i even = _mm512_maskz_permutex2var_epi8(kWords, low, spread[pp], high);
-            const __m512i odd =
-                _mm512_maskz_permutex2var_epi8(kWords, low, spread[pp + 1], high);
+            const __m512i a =
+                _mm512_maskz_permutex2var_epi8(kWords, top, spread[pp / 2][0], bottom);
+            const __m512i c =
+                _mm512_maskz_permutex2var_epi8(kWords, top, spread[pp / 2][1], bottom);
+            // Bytes k and k + 1: low nibbles columns k and k + 1 (pair k / 2), high ones
+            // k + 16 and k + 17.
             const int64_t k = 8 * h + pp;
-            store(k / 2, value(_mm512_and_si512(even, low_nibble)),
-                  value(_mm512_and_si512(odd, low_nibble)));
-            store(kPairs / 2 + k / 2, value(_mm512_srli_epi32(even, 4)),
-                  value(_mm512_srli_epi32(odd, 4)));
+            store(k / 2, _mm512_permutexvar_ps(a, nibble), _mm512_permutexvar_ps(c, nibble));
+            store(kPairs / 2 + k / 2, high(a), high(c));
           }
         }
       }
