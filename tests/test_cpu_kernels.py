@@ -312,6 +312,31 @@ def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
     assert torch.equal(logits[8, True], logits[16, True]) != takes_8
 
 
+@pytest.mark.skipif(matmul_cpu.has_amx() or matmul_cpu.activation_bits(5, 16, True)
+                    == matmul_cpu.activation_bits(5),
+                    reason="int4 and bf16 share the bf16 panels only on AVX-512 BF16 and VBMI "
+                           "without AMX")
+def test_int4_layers_past_a_decode_step_are_bf16_servings(model_files, tokenizer):
+    """The bundled file's Q4_1 steps are fp16, so q * step is exact in fp32 and the loader's
+    bf16 weights are the ones int4's panels decode: a prefill's hidden states (the head aside,
+    the file's Q8_0 in int4) are bf16 serving's to the bit, as the worker prepares both."""
+    from bench.quant_accuracy import prefill_hidden
+
+    ops = kernels.for_device(torch.device("cpu"), "cpu")
+    ids = next(iter(reference_prompts(tokenizer).values()))
+    hidden = []
+    for quantization in ("none", "int4"):
+        model = load_model(model_files, torch.device("cpu"), torch.bfloat16,
+                           keep_blocks=quantization == "int4")
+        model.ops = ops
+        if quantization == "int4":
+            quantize_model(model, "int4", 32, ops=ops)
+        route_linears(model, ops, packed=keeps_packed_copy(torch.device("cpu"), torch.bfloat16))
+        assert fuse_layers(model)
+        hidden.append(prefill_hidden(model, ids))
+    assert len(ids) > 4 and torch.equal(hidden[0], hidden[1])
+
+
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
                     reason="oneDNN has no bf16 path on this CPU (AVX2 only): no packed copies")
 def test_rows_past_the_cpp_products_read_the_packed_copy():
