@@ -2,10 +2,10 @@
 // AVX-512 BF16 with VBMI. A task decodes its panel of 48 W rows once a call into
 // panels.cpp's layout, each weight q * step + min in fp32 (as int4.cpp's decode rows take it)
 // rounded once to bf16: the weights that bf16 serving of the same file multiplies. x goes in
-// as it is, and the tiles are panels.cpp's own: 0.84-0.93x the bf16 panels' speed at 64 rows,
+// as it is, and the tiles are the bf16 panels' (panels.h): 0.84-0.93x the bf16 panels' speed at 64 rows,
 // the decode shared by fewer rows below (about 0.5x at 8). Sums per block, scaled by each
 // block's steps and plus its minimums times x's block sums, ran at 0.66-0.77x at 64 rows:
-// rescaling 24 sums every 32 columns cost more than the bf16 rounding saves.
+// rescaling 24 sums every 32 columns cost more than the decode to bf16 does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
