@@ -75,7 +75,7 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 1
                 ) -> torch.Tensor:
     """x W^T for W as pack_int4 packed it, as kernels.matmul.int4_linear computes it, x rounded
     to activation_bits (8 or 16) where the product sums in integers (see activation_bits); on
-    bf16 panels (a bf16 x past 4 rows, AVX-512 BF16 and VBMI) each weight is rounded once to bf16."""
+    bf16 panels (a bf16 x past 4 rows, AVX-512 BF16 and VBMI) each weight rounded to bf16."""
     return extension().int4_linear(x, weights, activation_bits)
 
 
