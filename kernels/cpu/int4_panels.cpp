@@ -1,11 +1,12 @@
 // int4 products on bf16 panels, for a bf16 x past a decode step at 16-bit activations, on
 // AVX-512 BF16 with VBMI. A task decodes its panel of 48 W rows once a call into
 // panels.cpp's layout, each weight q * step + min in fp32 (as int4.cpp's decode rows take it)
-// rounded once to bf16: the weights that bf16 serving of the same file multiplies. x goes in
-// as it is, and the tiles are the bf16 panels' (panels.h): 0.84-0.93x the bf16 panels' speed at 64 rows,
-// the decode shared by fewer rows below (about 0.5x at 8). Sums per block, scaled by each
-// block's steps and plus its minimums times x's block sums, ran at 0.66-0.77x at 64 rows:
-// rescaling 24 sums every 32 columns cost more than the decode to bf16 does.
+// rounded once to bf16: with a GGUF's fp16 steps q * step is exact, so these are the weights
+// bf16 serving of the same file multiplies. x goes in as it is, and the tiles are the bf16
+// panels' (panels.h): 0.84-0.93x their speed at 64 rows, the decode shared by fewer rows below
+// (about 0.5x at 8). Sums per block, scaled by each block's steps and plus its minimums times
+// x's block sums, ran at 0.66-0.77x at 64 rows: rescaling 24 sums every 32 columns cost more
+// than the decode to bf16 does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
