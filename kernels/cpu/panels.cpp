@@ -24,19 +24,7 @@ using panels::kTileRows;
 
 #if defined(__AVX512BF16__)
 using panels::kTiles;
-
-// A panel's cache lines spread over a task's n tiles: tile i prefetches its share (none where
-// `panel` is null: the thread's next task reads no other panel).
-struct Spread {
-  const char* lines;
-  int64_t count, share, every;
-
-  Spread(const uint32_t* panel, int64_t kp, int64_t n)
-      : lines(reinterpret_cast<const char*>(panel)), count(panel ? kp * kPanel * 4 / 64 : 0),
-        share((kp * kPanel * 4 / 64 + n - 1) / n), every((share + kp - 1) / kp) {}
-  const char* from(int64_t i) const { return lines + i * share * 64; }
-  int64_t lines_of(int64_t i) const { return std::clamp<int64_t>(count - i * share, 0, share); }
-};
+using panels::Spread;
 #endif
 
 }  // namespace
@@ -78,7 +66,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t panel = kp * kPanel;
   for_tasks(P, M, [&](int64_t j, int64_t t0, int64_t t1, bool last) {
-    const Spread ahead(last ? wp + (j + 1) * panel : nullptr, kp, t1 - t0);
+    const Spread ahead(last ? wp + (j + 1) * panel : nullptr, panel * 4, kp, t1 - t0);
     const int64_t cols = std::min(kPanel, n - j * kPanel);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m);
@@ -117,7 +105,8 @@ at::Tensor panel_silu_linear(const at::Tensor& x, const at::Tensor& panels, int6
   for_tasks(half, M, [&](int64_t j, int64_t t0, int64_t t1, bool last) {
     const uint32_t *gate = wp + j * panel, *up = wp + (j + half) * panel;
     // The up panel comes in over the gate tiles, the next gate panel over the up tiles.
-    const Spread up_ahead(up, kp, t1 - t0), next(last ? gate + panel : nullptr, kp, t1 - t0);
+    const Spread up_ahead(up, panel * 4, kp, t1 - t0),
+        next(last ? gate + panel : nullptr, panel * 4, kp, t1 - t0);
     at::BFloat16 g[kTileRows * kPanel], u[kTileRows * kPanel];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m = t * kTileRows, rows = std::min(kTileRows, M - m), i = t - t0;

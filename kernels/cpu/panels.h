@@ -73,6 +73,19 @@ void tile(const at::BFloat16* x, int64_t K, const uint32_t* panel, int64_t kp,
     }
 }
 
+// A region's cache lines (the thread's next panel) spread over a task's n tiles of kp pairs:
+// tile i prefetches its share, `every` a pair (none where `region` is null).
+struct Spread {
+  const char* lines;
+  int64_t count, share, every;
+
+  Spread(const void* region, int64_t bytes, int64_t kp, int64_t n)
+      : lines(static_cast<const char*>(region)), count(region ? (bytes + 63) / 64 : 0),
+        share((count + n - 1) / n), every((share + kp - 1) / kp) {}
+  const char* from(int64_t i) const { return lines + i * share * 64; }
+  int64_t lines_of(int64_t i) const { return std::clamp<int64_t>(count - i * share, 0, share); }
+};
+
 using Tile = void (*)(const at::BFloat16*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
                       int64_t, int64_t, const char*, int64_t, int64_t);
 constexpr Tile kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
