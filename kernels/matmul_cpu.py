@@ -79,13 +79,13 @@ def int4_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 1
     return extension().int4_linear(x, weights, activation_bits)
 
 
-def activation_bits(rows: int, asked: int = 16, bf16_int4: bool = False) -> int:
+def activation_bits(rows: int, asked: int = 16, bf16_x: bool = False) -> int:
     """The bits int4_linear and int8_linear round x to, a block of 32 columns, to sum in
     integers for a call of `rows` rows of x, asked for `asked` (8 or 16); 0 where they read x
     as it is (kernels/cpu/integer_product.h: AVX2 builds without AVX-512 16 bits at every row
-    count; AVX-512 VNNI builds as asked past the decode tile of 4, but int4_linear on a bf16
-    x (bf16_int4) at 16 on AVX-512 BF16 and VBMI builds: bf16 panels, int4_panels.cpp)."""
-    return extension().activation_bits(rows, asked, bf16_int4)
+    count; AVX-512 VNNI builds as asked past the decode tile of 4, but a bf16 x (bf16_x) at 16
+    on AVX-512 BF16 and VBMI builds: bf16 panels, quant_panels.cpp)."""
+    return extension().activation_bits(rows, asked, bf16_x)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -97,5 +97,6 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, weights: torch.Tensor, activation_bits: int = 16
                 ) -> torch.Tensor:
     """x W^T for W as pack_int8 packed it, as kernels.matmul.int8_linear computes it, x rounded
-    to activation_bits (8 or 16) where the product sums in integers (see activation_bits)."""
+    to activation_bits (8 or 16) where the product sums in integers (see activation_bits); on
+    bf16 panels (a bf16 x past 4 rows, AVX-512 BF16 and VBMI) each weight rounded to bf16."""
     return extension().int8_linear(x, weights, activation_bits)

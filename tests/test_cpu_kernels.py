@@ -316,15 +316,16 @@ def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
                     == matmul_cpu.activation_bits(5),
                     reason="int4 and bf16 share the bf16 panels only on AVX-512 BF16 and VBMI "
                            "without AMX")
-def test_int4_layers_past_a_decode_step_are_bf16_servings(model_files, tokenizer):
-    """The bundled file's Q4_1 steps are fp16, so q * step is exact in fp32 and the loader's
-    bf16 weights are the ones int4's panels decode: a prefill's hidden states (the head aside,
-    the file's Q8_0 in int4) are bf16 serving's to the bit, as the worker prepares both."""
+def test_int4_past_a_decode_step_is_bf16_servings(model_files, tokenizer):
+    """The bundled file's Q4_1 steps and Q8_0 scales are fp16, so q * step (+ min) and q *
+    scale are exact in fp32 and the loader's bf16 weights are the ones int4's panels decode: a
+    prefill's hidden states and logits (the head the file's Q8_0 in int4) are bf16 serving's
+    to the bit, as the worker prepares both."""
     from bench.quant_accuracy import prefill_hidden
 
     ops = kernels.for_device(torch.device("cpu"), "cpu")
     ids = next(iter(reference_prompts(tokenizer).values()))
-    hidden = []
+    hidden, logits = [], []
     for quantization in ("none", "int4"):
         model = load_model(model_files, torch.device("cpu"), torch.bfloat16,
                            keep_blocks=quantization == "int4")
@@ -334,7 +335,9 @@ def test_int4_layers_past_a_decode_step_are_bf16_servings(model_files, tokenizer
         route_linears(model, ops, packed=keeps_packed_copy(torch.device("cpu"), torch.bfloat16))
         assert fuse_layers(model)
         hidden.append(prefill_hidden(model, ids))
+        logits.append(model.logits(hidden[-1]))
     assert len(ids) > 4 and torch.equal(hidden[0], hidden[1])
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
@@ -659,15 +662,14 @@ def test_q4_packing_round_trips():
 
 def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> torch.Tensor:
     """x (float64) as the int4 or int8 product (int4a8, int8a8: asked for 8-bit activations)
-    reads it in a call of `rows` rows (x's own by default; int4 on a bf16 x past a decode
-    step reads it as it is where the build has bf16 panels for it). Where it sums in integers
+    reads it in a call of `rows` rows (x's own by default; a bf16 x past a decode step is
+    read as it is where the build has bf16 panels for it). Where it sums in integers
     (matmul_cpu.activation_bits), each block of 32 columns is rounded (to nearest even) to
     multiples of a step: to 16 bits, a power of two that puts the block's largest |x| in
     [2^14, 2^15) steps; to 8, the largest over 127 (fp32, as x times the step's fp32 inverse),
     never under the least normal float."""
     weights, asked = weight_mode(quantization)
-    bits = matmul_cpu.activation_bits(rows or x.shape[0], asked,
-                                      weights == "int4" and x.dtype == torch.bfloat16)
+    bits = matmul_cpu.activation_bits(rows or x.shape[0], asked, x.dtype == torch.bfloat16)
     if not bits:
         return x.double()
     blocks = x.float().view(x.shape[0], -1, 32)
@@ -682,12 +684,12 @@ def _as_read(x: torch.Tensor, quantization: str, rows: int | None = None) -> tor
 
 
 def _w_as_read(w: torch.Tensor, x: torch.Tensor, quantization: str) -> torch.Tensor:
-    """W (float64) as the product multiplies it: where int4 takes a bf16 x on bf16 panels
-    (x read as it is where the integer sums would round it), each fp32 weight rounded once to
-    bf16, as bf16 serving of the same file has it."""
-    weights, asked = weight_mode(quantization)
+    """W (float64) as the product multiplies it: where int4 or int8 takes a bf16 x on bf16
+    panels (x read as it is where the integer sums would round it), each fp32 weight rounded
+    once to bf16, as bf16 serving of the same file has it."""
+    asked = weight_mode(quantization)[1]
     rows = x.shape[0]
-    on_panels = (weights == "int4" and x.dtype == torch.bfloat16
+    on_panels = (x.dtype == torch.bfloat16
                  and matmul_cpu.activation_bits(rows, asked, True)
                  != matmul_cpu.activation_bits(rows, asked))
     return w.float().bfloat16().double() if on_panels else w
@@ -761,21 +763,30 @@ def test_int4_past_a_decode_step_sums_a_bf16_x_as_it_is():
 
 
 @pytest.mark.skipif(matmul_cpu.activation_bits(5, 16, True) == matmul_cpu.activation_bits(5),
-                    reason="no bf16 panels for int4 in this build (AVX-512 BF16 and VBMI)")
-@settings(max_examples=20, deadline=None)
-@given(st.integers(5, 40), st.integers(1, 6), st.integers(1, 100), seeds)
-def test_int4_on_panels_is_bf16_servings_product(m, blocks, n, seed):
-    """Where int4 takes a bf16 x on bf16 panels (past the decode tile), its bits are the bf16
-    panels' product of the weights bf16 serving of the same file multiplies: q * step + min,
-    rounded once to fp32 and once to bf16."""
+                    reason="no bf16 panels for int4 and int8 in this build (AVX-512 BF16, VBMI)")
+@settings(max_examples=30, deadline=None)
+@given(st.integers(5, 40), st.integers(1, 6), st.integers(1, 100),
+       st.sampled_from(["int4", "int8", "int8 a row"]), seeds)
+def test_low_bit_on_panels_is_bf16_servings_product(m, blocks, n, quantization, seed):
+    """Where int4 or int8 takes a bf16 x on bf16 panels (past the decode tile), its bits are
+    the bf16 panels' product of the weights bf16 serving of the same file multiplies: q * step
+    + min (int4), q * scale (int8: a scale a block of 32, a Q8_0 head's, or a row), rounded
+    once to fp32 and once to bf16."""
     torch.manual_seed(seed)
     k = 32 * blocks
-    q = torch.randint(0, 16, (n, k))
-    scales, mins = torch.rand(n, blocks) * 0.1 + 1e-3, -torch.rand(n, blocks)
     x = torch.randn(m, k).bfloat16()
-    got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales, mins))
-    w = (q.double() * scales.double().repeat_interleave(32, 1)
-         + mins.double().repeat_interleave(32, 1))  # exact in float64
+    if quantization == "int4":
+        q = torch.randint(0, 16, (n, k))
+        scales, mins = torch.rand(n, blocks) * 0.1 + 1e-3, -torch.rand(n, blocks)
+        got = matmul_cpu.int4_linear(x, matmul_cpu.pack_int4(matmul_ref.pack_q4(q), scales,
+                                                             mins))
+        w = (q.double() * scales.double().repeat_interleave(32, 1)
+             + mins.double().repeat_interleave(32, 1))  # exact in float64
+    else:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales = torch.rand(n, blocks if quantization == "int8" else 1) * 0.01
+        got = matmul_cpu.int8_linear(x, matmul_cpu.pack_int8(q, scales))
+        w = q.double() * scales.double().repeat_interleave(k // scales.shape[1], 1)
     panels = matmul_cpu.pack_panels(w.float().bfloat16())
     assert torch.equal(got, extension().panel_linear(x, panels, n))
 
@@ -798,7 +809,8 @@ def test_low_bit_weights_refuse_another_width(quantization):
 def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, quantization, seed):
     """Against the float64 product of the dequantized weight (x as the product reads it):
     the scales, one a row (group 0) or one a group of 32 or 64 columns (a GGUF's Q8_0 is 32),
-    reach the sums unrounded (fp32), whatever the rows, widths, dtype and activation bits."""
+    reach the sums unrounded (fp32; on bf16 panels each weight rounded once to bf16, W as the
+    product multiplies it, _w_as_read), whatever the rows, widths, dtype and activation bits."""
     from gpu_workers.quant import quantize_int8
 
     torch.manual_seed(seed)
@@ -811,7 +823,7 @@ def test_int8_linear_is_the_dequantized_product(m, blocks, n, group, dtype, quan
     assert got.shape == (m, n) and got.dtype == dtype
     per_column = scales[:, None] if scales.dim() == 1 else scales
     w = q.double() * per_column.double().repeat_interleave(k // per_column.shape[1], 1)
-    exact = _as_read(x, quantization) @ w.T
+    exact = _as_read(x, quantization) @ _w_as_read(w, x, quantization).T
     rounding = {torch.bfloat16: 2**-8, torch.float16: 2**-11}.get(dtype, 0.0)
     bound = rounding * exact.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()

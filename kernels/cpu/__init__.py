@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "amx.cpp", "panels.cpp",
-            "int4.cpp", "int4_panels.cpp", "int8.cpp", "activation.cpp", "rotary.cpp",
+            "int4.cpp", "quant_panels.cpp", "int8.cpp", "activation.cpp", "rotary.cpp",
             "layer.cpp", "sampling.cpp")
 
 

@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);
   m.def("activation_bits", &activation_bits,
         "the bits int4_linear and int8_linear round x to a block (integer sums) at these rows, "
-        "asked for 8 or 16 (their activation_bits), 0: none; bf16_int4: int4_linear on a bf16 x",
-        pybind11::arg("rows"), pybind11::arg("asked") = 16, pybind11::arg("bf16_int4") = false);
+        "asked for 8 or 16 (their activation_bits), 0: none; bf16_x: on a bf16 x",
+        pybind11::arg("rows"), pybind11::arg("asked") = 16, pybind11::arg("bf16_x") = false);
   m.def("int8_pack", &int8_pack, "int8 values and scales a row or a block in int8_linear's layout");
   m.def("int8_linear", &int8_linear, "x W^T, W = q * scale per row or block of 32, fp32 sums",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("activation_bits") = 16);

@@ -3,7 +3,7 @@
 // fp32 holds exactly, and the sums are fp32, so nothing of W is rounded between the file and y
 // (x is, where the products sum in integers: integer_product.h). The weights are repacked
 // once (int4_pack) in records.h's layout: a row's 16 bytes of nibbles, then scales and minimums.
-// On AVX-512 BF16 with VBMI a bf16 x past a decode step at 16 bits takes int4_panels.cpp's
+// On AVX-512 BF16 with VBMI a bf16 x past a decode step at 16 bits takes quant_panels.cpp's
 // product instead, from the same records, which rounds each fp32 weight once to bf16.
 #include <ATen/core/Tensor.h>
 
@@ -118,12 +118,12 @@ at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits) {
   const records::Layout w =
       records::check("int4_linear", "int4_pack", x, blob, at::kByte, records::int4);
-  if (int4_on_panels(x.scalar_type(), x.size(0), activation_bits))
-    return int4_panel_linear(x, blob);
+  if (quant_on_panels(x.scalar_type(), x.size(0), activation_bits))
+    return quant_panel_linear(x, blob);
   return integer::linear(x, Int4W{blob.data_ptr<uint8_t>(), w}, blob.size(0), activation_bits);
 }
 
-int64_t activation_bits(int64_t rows, int64_t asked, bool bf16_int4) {
-  if (bf16_int4 && int4_on_panels(at::kBFloat16, rows, asked)) return 0;
+int64_t activation_bits(int64_t rows, int64_t asked, bool bf16_x) {
+  if (bf16_x && quant_on_panels(at::kBFloat16, rows, asked)) return 0;
   return integer::x_bits(rows, asked);
 }

@@ -2,17 +2,17 @@
 // (--quantization int8) or one per block of 32 columns (a GGUF's Q8_0, whose fp16 scales fp32
 // holds exactly), kept in fp32, and the sums fp32: the activations' bf16 rounds neither. The
 // weights are repacked once (int8_pack) in records.h's layout: a row's 32 bytes, then its scale.
+// On AVX-512 BF16 with VBMI a bf16 x past a decode step at 16 bits takes quant_panels.cpp's
+// product instead, from the same records, which rounds each fp32 weight once to bf16.
 #include <ATen/core/Tensor.h>
 
 #include "integer_product.h"
+#include "kernels.h"
 #include "records.h"
 
 namespace {
 
 using records::kBlock;
-
-// A row's 32 int8 values and its scale a block.
-inline records::Layout layout(int64_t K) { return {K, kBlock, 1}; }
 
 // W in int8_pack's layout.
 struct Int8W {
@@ -85,10 +85,13 @@ at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales) {
               "int8_pack: scales [N, groups] (one group: a scale per row)");
   const int64_t K = q.size(1);
   TORCH_CHECK(K % kBlock == 0, "int8_pack: K a multiple of 32, not ", K);
-  return records::pack(q.view(at::kByte), {scales}, layout(K)).view(at::kChar);
+  return records::pack(q.view(at::kByte), {scales}, records::int8(K)).view(at::kChar);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob, int64_t activation_bits) {
-  const records::Layout w = records::check("int8_linear", "int8_pack", x, blob, at::kChar, layout);
+  const records::Layout w =
+      records::check("int8_linear", "int8_pack", x, blob, at::kChar, records::int8);
+  if (quant_on_panels(x.scalar_type(), x.size(0), activation_bits))
+    return quant_panel_linear(x, blob);
   return integer::linear(x, Int8W{blob.data_ptr<int8_t>(), w}, blob.size(0), activation_bits);
 }

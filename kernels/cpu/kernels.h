@@ -39,9 +39,9 @@ at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& scales,
                      const at::Tensor& mins);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blob,
                        int64_t activation_bits);
-int64_t activation_bits(int64_t rows, int64_t asked, bool bf16_int4);
-bool int4_on_panels(at::ScalarType x, int64_t rows, int64_t activation_bits);
-at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& blob);
+int64_t activation_bits(int64_t rows, int64_t asked, bool bf16_x);
+bool quant_on_panels(at::ScalarType x, int64_t rows, int64_t activation_bits);
+at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& blob);
 at::Tensor int8_pack(const at::Tensor& q, const at::Tensor& scales);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blob,
                        int64_t activation_bits);

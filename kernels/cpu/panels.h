@@ -1,5 +1,6 @@
 // The panel layout's shape, its task split and its tile, shared by the bf16 panel products
-// (panels.cpp) and int4's, which decodes its weights into the same panels (int4_panels.cpp).
+// (panels.cpp) and int4's and int8's, which decode their weights into the same panels
+// (quant_panels.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -34,6 +34,9 @@ struct Layout {
 // int4's records (int4.cpp): a row's 16 bytes of nibbles, then its scale and minimum a block.
 inline Layout int4(int64_t K) { return {K, kBlock / 2, 2}; }
 
+// int8's records (int8.cpp): a row's 32 values, then its scale a block.
+inline Layout int8(int64_t K) { return {K, kBlock, 1}; }
+
 // values [N, K / 32 * bytes] (uint8: each block's bytes in turn) and each of `per_block`
 // [N, groups] (a group a multiple of 32 columns: its float serves each of its blocks) in the
 // layout's records, one uint8 tensor [N, K / 32 * row_bytes].
