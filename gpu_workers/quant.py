@@ -64,8 +64,9 @@ class Int8Linear(nn.Module):
     """On a backend with its own int8 product (cpu, whole blocks of 32 columns) the scales stay
     fp32, in the layout its pack_int8 makes, and may be a GGUF Q8_0 tensor's own (`blocks`: q
     and a scale per block of 32 columns), its integer sums rounding x to activation_bits (8 or
-    16, see --quant-activation-bits); PyTorch's operator takes one scale per output channel in
-    the activations' dtype."""
+    16, see --quant-activation-bits; past 4 rows at 16 bits on AVX-512 BF16 and VBMI, bf16
+    panels of q * scale instead, kernels/cpu/quant_panels.cpp); PyTorch's operator takes one
+    scale per output channel in the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, ops: Kernels = kernels.REFERENCE,
                  blocks: tuple[torch.Tensor, torch.Tensor] | None = None,

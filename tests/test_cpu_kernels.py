@@ -317,8 +317,9 @@ def test_int4_activation_bits_reach_the_fused_layers(model_files, tokenizer):
                     reason="int4 and bf16 share the bf16 panels only on AVX-512 BF16 and VBMI "
                            "without AMX")
 def test_int4_past_a_decode_step_is_bf16_servings(model_files, tokenizer):
-    """The bundled file's Q4_1 steps and Q8_0 scales are fp16, so q * step (+ min) and q *
-    scale are exact in fp32 and the loader's bf16 weights are the ones int4's panels decode: a
+    """The bundled file's Q4_1 steps and Q8_0 scales are fp16, so q * step and q * scale are
+    exact in fp32 (+ min rounds once, in the loader and the decode alike) and the loader's bf16
+    weights are the ones int4's panels decode: a
     prefill's hidden states and logits (the head the file's Q8_0 in int4) are bf16 serving's
     to the bit, as the worker prepares both."""
     from bench.quant_accuracy import prefill_hidden
@@ -792,6 +793,20 @@ def test_low_bit_on_panels_is_bf16_servings_product(m, blocks, n, quantization, 
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_low_bit_products_take_empty_shapes(quantization):
+    """No rows of x, or a weight of no rows, give an empty product at every row count (the
+    panels' task split once divided by zero there)."""
+    (weights,), product, _ = _low_bit(quantization, 0, 64)
+    for m in (0, 1, 5, 9):
+        assert product(torch.randn(m, 64).bfloat16(), weights).shape == (m, 0)
+    (weights,), product, _ = _low_bit(quantization, 5, 64)
+    assert product(torch.randn(0, 64).bfloat16(), weights).shape == (0, 5)
+    if matmul_cpu.has_panels():
+        panels = matmul_cpu.pack_panels(torch.randn(5, 64).bfloat16())
+        assert extension().panel_linear(torch.randn(0, 64).bfloat16(), panels, 5).shape == (0, 5)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_low_bit_weights_refuse_another_width(quantization):
     """The products read the record layout their pack made; an x of another width is refused,
     naming both widths, rather than read past the weights."""
@@ -904,8 +919,8 @@ def test_low_bit_products_keep_a_non_finite_activation_to_its_row(quantization, 
 @pytest.mark.parametrize("quantization", ["int4", "int4a8", "int8", "int8a8"])
 def test_low_bit_products_past_widen_rows_are_the_dequantized_product(quantization):
     """A prefill chunk's rows (past widen_rows) take MKL's product on W dequantized whole
-    (AVX-512 VNNI builds: the integer sums still; int4 on a bf16 x, bf16 panels where the
-    build has them): still the dequantized weights, within bf16 rounding of the exact product
+    (AVX-512 VNNI builds: the integer sums still; a bf16 x, bf16 panels where the build has
+    them): still the dequantized weights, within bf16 rounding of the exact product
     of x and W as the product reads them, on either side of widen_rows."""
     torch.manual_seed(1)
     n, k = 37, 96

@@ -27,6 +27,7 @@ constexpr int64_t kChunkRows = 256;
 // units to keep every thread busy. `last`: the thread's next task reads unit + 1.
 template <typename Task>
 void for_tasks(int64_t units, int64_t M, const Task& task) {
+  if (units == 0 || M == 0) return;  // nothing to compute (and no division by zero)
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t busy = (2 * at::get_num_threads() + units - 1) / units;
   const int64_t chunks = std::min(tiles, std::max((M + kChunkRows - 1) / kChunkRows, busy));

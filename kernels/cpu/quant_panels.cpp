@@ -2,14 +2,15 @@
 // activations, on AVX-512 BF16 with VBMI. A task decodes its panel of 48 W rows once a call into
 // panels.cpp's layout, each weight q * step + min (int4) or q * scale (int8) in fp32, as the
 // decode rows of int4.cpp and int8.cpp take it, rounded once to bf16: with a GGUF's fp16 steps
-// and scales the fp32 weight is exact, so these are the weights bf16 serving of the same file
-// multiplies (its Q4_1 layers and Q8_0 head). x goes in as it is, and the tiles are the bf16
-// panels' (panels.h): 0.84-0.93x their speed at 64 rows, the decode shared by fewer rows below
-// (about 0.5x at 8). Over the tiles of a panel the next panel's records are prefetched: read
-// as the decode met them they stalled it on memory (a decode step of 64 sequences 1.1x
-// faster, of 8 1.35x). For int4, sums per block, scaled by each block's steps and plus its
-// minimums times x's block sums, ran at 0.66-0.77x at 64 rows: rescaling 24 sums every 32
-// columns cost more than the decode to bf16 does.
+// and scales q * step and q * scale are exact in fp32 (+ min rounds once, as the loader's
+// dequantization does), so these are the weights bf16 serving of the same file multiplies (its
+// Q4_1 layers and Q8_0 head). x goes in as it is, and the tiles are the bf16 panels'
+// (panels.h): int4 at 0.84-0.93x their speed at 64 rows with W in cache, the decode shared by
+// fewer rows below. Over the tiles of a panel the next panel's records are prefetched: read as
+// the decode met them they stalled it on memory (a decode step of 64 sequences 1.1x faster, of
+// 8 1.35x). For int4, sums per block, scaled by each block's steps and plus its minimums times
+// x's block sums, ran at 0.66-0.77x at 64 rows: rescaling 24 sums every 32 columns cost more
+// than the decode to bf16 does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <vector>
 
+#include "kernels.h"
 #include "panels.h"
 #include "records.h"
 
