@@ -204,13 +204,13 @@ at::Tensor product(const at::Tensor& x, const uint8_t* bytes, int64_t N, const r
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const uint64_t call = ++calls;
-  const int64_t panel_bytes = kPanel * (K / kBlock) * w.row_bytes();  // a panel's records
+  const int64_t row_bytes = (K / kBlock) * w.row_bytes(), panel_bytes = kPanel * row_bytes;
   panels::for_tasks((N + kPanel - 1) / kPanel, M, [&](int64_t j, int64_t t0, int64_t t1,
                                                        bool last) {
     // The next panel's records come into L2 over this panel's tiles: the decode reads them as
     // 12 streams (a record a row block) that the hardware prefetcher does not keep ahead of.
     const panels::Spread ahead(last ? bytes + (j + 1) * panel_bytes : nullptr,
-                               std::min(panel_bytes, (N - (j + 1) * kPanel) * panel_bytes / kPanel),
+                               std::min(kPanel, N - (j + 1) * kPanel) * row_bytes,
                                K / 2, t1 - t0);
     thread_local Panel panel;
     if (panel.call != call || panel.first != j * kPanel) {
