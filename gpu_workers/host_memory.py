@@ -31,20 +31,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return out.zero_()
 
 
-def huge_page_bytes(t: torch.Tensor) -> int:
-    """Bytes of the mappings under t that lie in transparent huge pages (0 where unknown);
-    zeros' advice splits t's mapping in two, the part before the first 2 MiB boundary apart."""
+def huge_pages(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes of t asked into 2 MiB pages, and bytes of the mappings under t that got them ((0, 0)
+    where unknown). The kernel grants them only while it finds free 2 MiB runs of memory."""
     low, high = t.data_ptr(), t.data_ptr() + t.nbytes
-    total, inside = 0, False
+    asked = got = overlap = 0
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/smaps").read_text().splitlines():
             first = line.split(maxsplit=1)[0]
             if "-" in first and not first.endswith(":"):
                 start, end = (int(a, 16) for a in first.split("-"))
-                inside = start < high and low < end
-            elif inside and first == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
+                overlap = max(0, min(end, high) - max(start, low))
+            elif overlap and first == "AnonHugePages:":
+                got += int(line.split()[1]) * 1024
+            elif overlap and first == "VmFlags:" and "hg" in line.split()[1:]:
+                asked += overlap
+    return asked, got
 
 
 def return_freed_memory() -> None:

@@ -160,10 +160,11 @@ def run_worker(cfg: SurgeConfig, channels: Channels, rank: int, status: Any,
 
 def _huge_page_note(kv_cache: torch.Tensor) -> str:
     """The start-up line's word on how much of a CPU KV cache got 2 MiB pages (see
-    host_memory.zeros): none where transparent huge pages are off."""
+    host_memory.zeros): fewer than asked where the kernel found memory too fragmented."""
     if kv_cache.device.type != "cpu":
         return ""
-    return f" ({host_memory.huge_page_bytes(kv_cache) / 2**20:.0f} MiB of it in 2 MiB pages)"
+    asked, got = (n / 2**20 for n in host_memory.huge_pages(kv_cache))
+    return f" ({got:.0f} MiB of it in 2 MiB pages, {asked:.0f} MiB asked)"
 
 
 def _activation_note(cfg: ModelConfig, ops: kernels.Kernels) -> str:

@@ -985,7 +985,7 @@ def test_surge_serve_on_the_cpu_backend(quantization, ranks, dtype, tokenizer):
         takes_8 = a8 and matmul_cpu.activation_bits(64, 8) == 8
         assert ("(activations rounded to 8 bits a block past 4 rows)" in log) == takes_8
         assert ("--quant-activation-bits 8 has no effect here" in log) == (a8 and not takes_8)
-        assert re.search(r"KV cache \d+ MiB \(\d+ MiB of it in 2 MiB pages\)", log)
+        assert re.search(r"KV cache \d+ MiB \(\d+ MiB of it in 2 MiB pages, \d+ MiB asked\)", log)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
         def ask(_: int = 0) -> str:

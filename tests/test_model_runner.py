@@ -86,15 +86,19 @@ def _huge_pages_mode() -> str:
 
 @pytest.mark.skipif(_huge_pages_mode() == "never",
                     reason="this kernel gives no transparent huge pages")
-def test_cpu_kv_cache_lies_in_huge_pages(tiny):
+def test_cpu_kv_cache_is_asked_into_huge_pages(tiny):
     """The CPU KV cache is zeroed and asked into 2 MiB pages before its first touch (scattered
-    2 KB block reads then miss the TLB far less); under the usual "madvise" setting a tensor
-    not asked stays in 4 KiB pages."""
+    2 KB block reads then miss the TLB far less); a tensor not asked is not. How many the
+    kernel grants depends on the machine's free memory runs (CI once got 26 of 128 MiB), so
+    the test holds the asking, and under the usual "madvise" setting that nothing unasked got."""
     _, model = tiny
     engine = InProcessEngine(model, num_blocks=16384, block_size=16)
     cache = engine.runner.kv_cache
     assert cache.nbytes > 8 << 20 and not cache.any()
-    assert host_memory.huge_page_bytes(cache) >= cache.nbytes - (4 << 20)
+    asked, _ = host_memory.huge_pages(cache)
+    assert asked >= cache.nbytes - (4 << 20)
+    plain = torch.zeros(cache.shape, dtype=cache.dtype)
+    asked, got = host_memory.huge_pages(plain)
+    assert asked == 0
     if _huge_pages_mode() == "madvise":
-        plain = torch.zeros(cache.shape, dtype=cache.dtype)
-        assert host_memory.huge_page_bytes(plain) == 0
+        assert got == 0
