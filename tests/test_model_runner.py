@@ -3,6 +3,7 @@ prepared while the previous one is still in flight, and the KV cache's pages."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -90,14 +91,17 @@ def test_cpu_kv_cache_is_asked_into_huge_pages(tiny):
     """The CPU KV cache is zeroed and asked into 2 MiB pages before its first touch (scattered
     2 KB block reads then miss the TLB far less); a tensor not asked is not. How many the
     kernel grants depends on the machine's free memory runs (CI once got 26 of 128 MiB), so
-    the test holds the asking, and under the usual "madvise" setting that nothing unasked got."""
+    the test holds the asking, and under the usual "madvise" setting that nothing unasked got.
+    The unasked tensor lies in a fresh mapping: a heap allocation may reuse memory that an
+    earlier test's cache asked (seen: 27 MiB of a torch.zeros "asked")."""
     _, model = tiny
     engine = InProcessEngine(model, num_blocks=16384, block_size=16)
     cache = engine.runner.kv_cache
     assert cache.nbytes > 8 << 20 and not cache.any()
     asked, _ = host_memory.huge_pages(cache)
     assert asked >= cache.nbytes - (4 << 20)
-    plain = torch.zeros(cache.shape, dtype=cache.dtype)
+    fresh = mmap.mmap(-1, cache.nbytes)
+    plain = torch.frombuffer(fresh, dtype=torch.uint8).fill_(0)
     asked, got = host_memory.huge_pages(plain)
     assert asked == 0
     if _huge_pages_mode() == "madvise":
