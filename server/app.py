@@ -67,6 +67,11 @@ class Frontend:
     # ---- endpoints ----
 
     async def read_body(self, request: web.Request) -> bytes:
+        # A declared length over the limit is refused at once, not after the body's timeout.
+        limit = request.app[MAX_BODY_BYTES]
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                actual_size=request.content_length)
         try:
             return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except TimeoutError:
@@ -226,11 +231,18 @@ class Frontend:
             pieces = cache.recorded(pieces, key, n)
         return pieces, degraded, "miss" if key else "bypass"
 
+    def _model(self) -> dict:
+        return {"id": self.translator.model_name, "object": "model", "created": self.created,
+                "owned_by": "surge", "root": self.root, "parent": None,
+                "max_model_len": self.translator.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return self._json({"object": "list", "data": [{
-            "id": self.translator.model_name, "object": "model", "created": self.created,
-            "owned_by": "surge", "root": self.root, "parent": None,
-            "max_model_len": self.translator.max_model_len}]})
+        return self._json({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve: the served model, or model_not_found."""
+        self.translator.check_model(request.match_info["model"])
+        return self._json(self._model())
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: the ids a prompt or a chat would be served with."""
@@ -408,6 +420,7 @@ def build_app(frontend: Frontend) -> web.Application:
     app[MAX_BODY_BYTES] = max_body_bytes
     app.router.add_get("/health", frontend.health)
     app.router.add_get("/v1/models", frontend.models)
+    app.router.add_get("/v1/models/{model:.+}", frontend.model)
     app.router.add_get("/stats", frontend.stats)
     app.router.add_get("/version", frontend.version)
     app.router.add_post("/tokenize", frontend.tokenize)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from server.context_keys import MAX_BODY_BYTES, TENANT
 from surge import metrics
@@ -85,6 +86,10 @@ async def _answer(
         if e.status == 405 and "Allow" in e.headers:
             response.headers["Allow"] = e.headers["Allow"]
         return response
+    except (web.RequestPayloadError, HttpProcessingError) as e:
+        # A body aiohttp could not read, e.g. one its Content-Encoding does not decode.
+        reason = str(e).strip().splitlines()[-1].strip()
+        return error_response(400, f"the request body could not be read: {reason}")
     except ConnectionResetError:
         # The client is gone (mid-body or mid-stream): nobody to answer, nothing went wrong
         # here. 499 is nginx's "client closed request"; aiohttp drops it quietly.

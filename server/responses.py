@@ -7,34 +7,73 @@ from typing import Any
 from server.generate import Piece
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM2) spell each byte as one
+    printable character: the printable Latin-1 bytes as themselves, the rest from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + len(chars) - len(printable))
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _raw_bytes(piece: str) -> bytes | None:
+    """A vocabulary entry's own bytes: a SentencePiece byte-fallback token (<0xE6>) or a
+    byte-level BPE spelling; None for anything else."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if piece and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
+
+
 class TokenText:
-    """Token ids to the strings OpenAI's logprobs show (a cache: the same ids recur)."""
+    """Token ids to the strings and bytes OpenAI's logprobs show (a cache: the same ids recur).
+    A token holding part of a character (emoji, CJK) is its own bytes, shown as OpenAI shows
+    them ("\\xf0\\x9f"), not the replacement character every such token decodes to alone."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.cache: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        found = self.cache.get(token_id)
+        if found is None:
+            text = self.tokenizer.decode([token_id])
+            raw = text.encode()
+            if "\ufffd" in text:
+                own = _raw_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+                if own is not None:
+                    raw, text = own, own.decode("utf-8", "backslashreplace")
+            found = self.cache[token_id] = (text, raw)
+        return found
 
 
 def completion_logprobs(piece: Piece, token_text: TokenText, offset: int) -> dict:
-    """The legacy completions format; offset is where this piece starts in the choice's text."""
-    tokens = [token_text(t) for t in piece.token_ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+    """The legacy completions format; offset is where this piece starts in the choice's text.
+    A token's offset counts the characters its piece's tokens before it complete, so the
+    offsets never go back and never pass the piece's text."""
+    tokens, offsets, raw = [], [], b""
+    for t in piece.token_ids:
+        text, own = token_text(t)
+        tokens.append(text)
+        offsets.append(offset + min(len(raw.decode("utf-8", "ignore")), len(piece.text)))
+        raw += own
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in piece.logprobs],
         # As OpenAI: the top k and the sampled token, whether or not it is among them.
-        "top_logprobs": [{token_text(t): lp.logprob,
-                          **{token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs,
-                                                              strict=True)}}
+        "top_logprobs": [{token_text(t)[0]: lp.logprob,
+                          **{token_text(i)[0]: v for i, v in zip(lp.top_ids, lp.top_logprobs,
+                                                                 strict=True)}}
                          for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)],
         "text_offset": offsets,
     }
@@ -42,8 +81,8 @@ def completion_logprobs(piece: Piece, token_text: TokenText, offset: int) -> dic
 
 def chat_logprobs(piece: Piece, token_text: TokenText) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, own = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(own)}
 
     return {"content": [
         {**entry(t, lp.logprob),

@@ -69,7 +69,7 @@ class RequestTranslator:
 
     async def prepare(self, body: Body) -> tuple[list[list[int]], int | None, int | None]:
         """A request body's prompts (token ids), max_tokens and logprobs count."""
-        self._check_model(body.model)  # before any tokenizing is spent on it
+        self.check_model(body.model)  # before any tokenizing is spent on it
         self._check_choices(body)
         if isinstance(body, CompletionRequest):
             if body.best_of is not None and body.best_of != body.n:
@@ -94,7 +94,7 @@ class RequestTranslator:
 
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
         """The token ids of a /tokenize body's prompt or messages."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt (a string) or messages (a chat), not both "
                                 "or neither", param="prompt")
@@ -106,7 +106,7 @@ class RequestTranslator:
 
     def detokenize(self, body: DetokenizeRequest) -> str:
         """The text of a /detokenize body's token ids."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         self.check_token_ids(body.tokens, "tokens")
         return self.tokenizer.hf.decode(body.tokens)
 
@@ -139,7 +139,7 @@ class RequestTranslator:
                                 f"{self.max_choices} per request (max_choices)",
                            param="prompt" if prompts > 1 else "n")
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
@@ -211,6 +211,13 @@ class RequestTranslator:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this server accepts at "
                                 f"most {limit} (max_prompt_tokens)", param="prompt")
         room = self.max_model_len - prompt_len
+        if room < 1:  # no token could follow: the prompt is what is too long
+            raise ApiError(
+                400, f"the prompt has {prompt_len} tokens, and this model's context window is "
+                     f"{self.max_model_len}: it leaves no room for a token to generate; "
+                     f"shorten the prompt",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded")
         ready = self.engine.ready.result()
         capacity = ready.num_blocks * ready.block_size
         if max_tokens is None:  # as much as the context window and the KV cache allow

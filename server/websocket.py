@@ -83,9 +83,9 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                     await ws.send_str(msgspec.json.encode(payload).decode())
 
     async def error(rid: str | None, status: int, message: str, param: str | None = None,
-                    retry_after: float | None = None) -> None:
+                    retry_after: float | None = None, code: str | None = None) -> None:
         await send({"type": "error", "id": rid, "retry_after": retry_after,
-                    "error": error_body(status, message, param)["error"]})
+                    "error": error_body(status, message, param, code)["error"]})
 
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         frontend.in_flight += 1
@@ -122,7 +122,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                 done["degraded"] = degraded  # as the HTTP answer's X-Surge-Degraded
             await send(done)
         except ApiError as e:
-            await error(rid, e.status, e.message, e.param, e.retry_after)
+            await error(rid, e.status, e.message, e.param, e.retry_after, e.code)
         except asyncio.CancelledError:
             await send(cancelled(rid))
         except Exception:

@@ -213,6 +213,21 @@ def test_context_window_error_names_both_numbers(server):
     assert "8192" in payload["error"]["message"] and "9000" in payload["error"]["message"]
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", json.dumps({"prompt": [1] * 8192}), "prompt"),
+    ("/v1/chat/completions",
+     json.dumps({"messages": [{"role": "user", "content": "hi " * 9000}]}), "messages"),
+])
+def test_a_prompt_filling_the_context_window_is_named(server, path, body, param):
+    """A prompt that leaves no room for a token is the prompt's fault (OpenAI's
+    context_length_exceeded on it), not max_tokens'."""
+    code, payload = _post(server, path, body)
+    assert code == 400, payload
+    error = payload["error"]
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    assert "8192" in error["message"], error
+
+
 def test_invalid_utf8_and_wrong_method(server):
     code, payload = _post(server, "/v1/completions", b'{"prompt": "\xff\xfe"}')
     assert code == 400 and payload["error"]["message"]

@@ -4,6 +4,7 @@ wall of bad input, against the real server (fuzzing: tests/test_hostile.py)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import time
@@ -103,6 +104,28 @@ def test_logprobs_match_the_reference(client, tokenizer, reference):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
 
 
+def test_logprobs_of_tokens_that_split_characters(client):
+    """Emoji and CJK come in byte pieces: each token and candidate carries its own bytes
+    (chat), distinct candidates stay distinct, and completion offsets point into the text."""
+    prompt = "Emoji party: 🎉🎉🎉🎉 日本語のテキスト 日本語"
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                  logprobs=5, extra_body={"ignore_eos": True})
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    keys = [k for top in lp.top_logprobs for k in top]
+    assert all("\ufffd" not in k for k in lp.tokens + keys)
+    assert any("\\x" in k for k in keys)  # byte pieces among the candidates, shown escaped
+    assert all(len(top) >= 5 for top in lp.top_logprobs)  # none lost to a shared key
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+        max_tokens=12, logprobs=True, top_logprobs=5)
+    content = chat.choices[0].logprobs.content
+    pieces = bytes(b for c in content for b in c.bytes)
+    assert pieces.decode("utf-8", "replace") == chat.choices[0].message.content
+    assert all(bytes(t.bytes).decode("utf-8", "backslashreplace") == t.token
+               for c in content for t in c.top_logprobs)
+
+
 def test_filters_penalties_bias_and_min_tokens(client, tokenizer):
     base = dict(model=MODEL, prompt=RAW[2], max_tokens=10)
     greedy = client.completions.create(**base, temperature=0).choices[0].text
@@ -136,6 +159,17 @@ def test_extreme_seed_and_min_tokens_before_stop_strings(client):
     assert held.usage.completion_tokens >= 15
 
 
+def test_retrieve_a_model(client):
+    """OpenAI's GET /v1/models/{model}: the served model as the list shows it; any other
+    name, slashes and all, is model_not_found."""
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model == client.models.list().data[0]
+    for name in ("gpt-4", "org/other-model"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(name)
+        assert e.value.body["code"] == "model_not_found", e.value.body
+
+
 def test_echo_and_priority(client):
     r = client.completions.create(model=MODEL, prompt=RAW[0], temperature=0, max_tokens=5,
                                   echo=True, extra_body={"priority": -5})
@@ -162,21 +196,26 @@ def test_websocket_multiplexing_cancel_and_errors(server):
             await ws.send_str("{not json")
             await ws.send_json({"type": "request", "id": "bad", "endpoint": "completions",
                                 "body": {"prompt": "x", "temperature": -3}})
+            await ws.send_json({"type": "request", "id": "nomodel", "endpoint": "completions",
+                                "body": {"prompt": "x", "model": "gpt-4"}})
             done = 0
             async for msg in ws:
                 m = json.loads(msg.data)
                 seen.setdefault(m.get("id") or "?", []).append(m)
                 if m["id"] == "long" and m["type"] == "delta" and len(seen["long"]) == 3:
                     await ws.send_json({"type": "cancel", "id": "long"})
-                if m["type"] in ("done", "error") and m["id"] in ("a", "b", "long", "bad"):
+                if m["type"] in ("done", "error") and \
+                        m["id"] in ("a", "b", "long", "bad", "nomodel"):
                     done += 1
-                    if done == 4:
+                    if done == 5:
                         break
         return seen
 
     seen = asyncio.run(asyncio.wait_for(main(), 120))
     assert seen["?"][0]["type"] == "error"  # the malformed message; the socket lived on
     assert seen["bad"][-1]["type"] == "error" and seen["bad"][-1]["error"]["param"]
+    # The HTTP answer's code too (404 model_not_found), not only its message.
+    assert seen["nomodel"][-1]["error"]["code"] == "model_not_found"
     text_b = "".join(m["text"] for m in seen["b"] if m["type"] == "delta")
     assert text_b == "The capital of France is Paris."
     assert seen["b"][-1]["finish_reason"] == "stop"
@@ -274,6 +313,36 @@ def test_chat_bad_parameters(server):
 def test_body_too_large(server):
     code, payload = server.post("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
     assert code == 413 and "bytes" in payload["error"]["message"]
+
+
+def test_a_declared_length_over_the_limit_is_refused_at_once(server):
+    """A Content-Length past the limit is a 413 before any body arrives (this server's body
+    timeout, 2 s, would answer 408 otherwise)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 999999999\r\n\r\n{}")
+        s.settimeout(10)
+        reply = s.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413"), reply
+    assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+
+    def post(data: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{server.url}/v1/completions", data=data, headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    code, payload = post(body)  # labelled gzip, sent plain
+    assert code == 400 and "could not be read" in payload["error"]["message"], payload
+    code, payload = post(gzip.compress(body))
+    assert code == 200 and payload["usage"]["completion_tokens"] == 2, payload
 
 
 def test_slow_body_is_timed_out(server):
