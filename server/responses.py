@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from server.generate import Piece
@@ -61,12 +62,13 @@ def completion_logprobs(piece: Piece, token_text: TokenText, offset: int) -> dic
     """The legacy completions format; offset is where this piece starts in the choice's text.
     A token's offset counts the characters its piece's tokens before it complete, so the
     offsets never go back and never pass the piece's text."""
-    tokens, offsets, raw = [], [], b""
+    tokens, offsets, complete = [], [], 0
+    characters = codecs.getincrementaldecoder("utf-8")("ignore")
     for t in piece.token_ids:
         text, own = token_text(t)
         tokens.append(text)
-        offsets.append(offset + min(len(raw.decode("utf-8", "ignore")), len(piece.text)))
-        raw += own
+        offsets.append(offset + min(complete, len(piece.text)))
+        complete += len(characters.decode(own))
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in piece.logprobs],
