@@ -121,8 +121,12 @@ class ToolParser:
     """One choice's text to content and calls, whole or as it streams. What might still turn
     out to be part of a call is held back until it is known; nothing is taken back."""
 
-    def __init__(self, fmt: ToolFormat, names: list[str], limit: int | None = None) -> None:
+    def __init__(self, fmt: ToolFormat, names: list[str], limit: int | None = None,
+                 forced: bool = False) -> None:
         self.fmt, self.names, self.limit = fmt, names, limit
+        # tool_choice required or named: the grammar allows only calls, so text outside them
+        # is a call cut short (max_tokens), never content.
+        self.forced = forced
         self.text = ""  # all of it so far
         self.at = 0  # where the unread text begins
         self.state = "text" if fmt is HERMES else "start"
@@ -142,7 +146,7 @@ class ToolParser:
             pass
         if final:
             self._flush(out)
-        shown = "".join(out)
+        shown = "" if self.forced else "".join(out)
         self.content += shown
         return shown, deltas
 
@@ -316,7 +320,8 @@ def _held(buffer: str) -> int:
     return len(buffer) - len(stripped)
 
 
-def parser_for(fmt: ToolFormat, names: list[str], limit: int | None = None) -> ToolParser:
+def parser_for(fmt: ToolFormat, names: list[str], limit: int | None = None,
+               forced: bool = False) -> ToolParser:
     """A parser of one choice's text, for calls of the tools named (the first `limit` of
-    them kept)."""
-    return ToolParser(fmt, names, limit)
+    them kept; forced: the answer can only be calls, see ToolParser)."""
+    return ToolParser(fmt, names, limit, forced)

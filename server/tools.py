@@ -105,14 +105,18 @@ def chat_messages(body: ChatCompletionRequest, template_takes_tools: bool
     return messages, None
 
 
+def calls_forced(body: ChatCompletionRequest) -> bool:
+    """tool_choice required or a named function: the answer is calls only (tool_grammar)."""
+    return bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+
+
 def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """A Lark grammar (llguidance's dialect) for tool_choice required or a named function:
     only calls of the allowed functions in the format's own form, with arguments valid for
     their schemas."""
-    choice = body.tool_choice
-    if not body.tools or choice in (None, "none", "auto"):
+    if not calls_forced(body):
         return None
-    tools = body.tools
+    choice, tools = body.tool_choice, body.tools or []
     if isinstance(choice, ToolChoiceNamed):
         tools = [t for t in tools if t.function.name == choice.function.name]
     rules = []
@@ -142,4 +146,4 @@ def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[T
         return None
     names = [t.function.name for t in body.tools or []]
     limit = None if body.parallel_tool_calls else 1
-    return [parser_for(fmt, names, limit) for _ in range(n)]
+    return [parser_for(fmt, names, limit, calls_forced(body)) for _ in range(n)]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from server.openai_types import ChatCompletionRequest
 from server.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, format_of, parser_for
-from server.tools import chat_messages, tool_grammar
+from server.tools import chat_messages, tool_grammar, tool_parsers
 from surge.grammar import compile_grammar
 
 WEATHER = {"type": "function", "function": {
@@ -272,3 +272,25 @@ def test_tool_choice_grammars_take_the_formats_calls_and_its_parser_reads_them(
     assert not _accepts(named, one + end, tokenizer)
     _, _, calls = _fed(fmt, [one + more + end])
     assert _raw(calls) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+@pytest.mark.parametrize("cut", ["\n<", "\n<tool_call>\n{\"name\": \"get_we"])
+def test_forced_calls_leave_no_content_when_cut_short(cut):
+    """tool_choice required or named: the grammar allows only calls, so what a max_tokens cut
+    leaves of a second call is not content (offered freely, it is: it may be text)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for forced in (False, True):
+        parser = parser_for(HERMES, NAMES, None, forced)
+        shown, _ = parser.feed(call + cut, final=True)
+        assert [c["function"]["name"] for c in parser.calls] == ["get_weather"]
+        assert (shown == parser.content == "") == forced, (forced, shown)
+
+
+def test_parsers_drop_content_where_the_grammar_allows_only_calls():
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for fields, forced in (({}, False), ({"tool_choice": "auto"}, False),
+                           ({"tool_choice": "required"}, True), ({"tool_choice": named}, True)):
+        parsers = tool_parsers(_body(**fields), HERMES, 2)
+        assert parsers is not None and [p.forced for p in parsers] == [forced, forced], fields
+        assert (tool_grammar(_body(**fields), HERMES) is not None) == forced, fields
+    assert tool_parsers(_body(tool_choice="none"), HERMES, 2) is None
