@@ -310,7 +310,11 @@ class Frontend:
             async with aclosing(pieces) as stream:
                 async for piece in stream:
                     generated += piece.num_tokens
-                    await response.write(event({**head, "choices": [choice(piece)]}))
+                    c = choice(piece)
+                    # Nothing to show (text held back: a character or a tool call not yet
+                    # complete) is no chunk, as vLLM sends none.
+                    if c.get("text") or c.get("delta") or c["logprobs"] or c["finish_reason"]:
+                        await response.write(event({**head, "choices": [c]}))
             if options and options.include_usage:
                 await response.write(_event({**head, "choices": [],
                                              "usage": usage(prompt_tokens, generated)}))

@@ -124,6 +124,12 @@ def test_logprobs_of_tokens_that_split_characters(client):
     assert pieces.decode("utf-8", "replace") == chat.choices[0].message.content
     assert all(bytes(t.bytes).decode("utf-8", "backslashreplace") == t.token
                for c in content for t in c.top_logprobs)
+    # Streamed, a token that completes no character is no chunk (it was an empty one).
+    stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = [(c.choices[0].text, c.choices[0].finish_reason) for c in stream if c.choices]
+    assert all(t or reason for t, reason in chunks), chunks
+    assert "".join(t for t, _ in chunks) == text and len(chunks) < 12
 
 
 def test_filters_penalties_bias_and_min_tokens(client, tokenizer):
