@@ -52,10 +52,14 @@ def check(body: ChatCompletionRequest) -> None:
             raise ApiError(400, f"messages[{i}] (tool) needs a tool_call_id", param="messages")
 
 
+# A function without `parameters` takes none, as OpenAI reads it: its arguments are {}.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _tool_json(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {
         "name": t.function.name, "description": t.function.description or "",
-        "parameters": t.function.parameters or {"type": "object", "properties": {}}}}
+        "parameters": t.function.parameters or _NO_PARAMETERS}}
         for t in body.tools or []]
 
 
@@ -123,7 +127,7 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     for i, t in enumerate(tools):
         schema = {"type": "object", "properties": {
             "name": {"const": t.function.name},
-            fmt.arguments_key: t.function.parameters or {"type": "object"}},
+            fmt.arguments_key: t.function.parameters or _NO_PARAMETERS},
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")

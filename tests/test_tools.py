@@ -294,3 +294,13 @@ def test_parsers_drop_content_where_the_grammar_allows_only_calls():
         assert parsers is not None and [p.forced for p in parsers] == [forced, forced], fields
         assert (tool_grammar(_body(**fields), HERMES) is not None) == forced, fields
     assert tool_parsers(_body(tool_choice="none"), HERMES, 2) is None
+
+
+def test_a_function_without_parameters_takes_empty_arguments(tokenizer):
+    """OpenAI reads a missing `parameters` as none: forced, its arguments can only be {}."""
+    named = tool_grammar(_body(tool_choice={"type": "function",
+                                            "function": {"name": "get_time"}}), HERMES)
+    call = '<tool_call>\n{"name": "get_time", "arguments": %s}\n</tool_call>'
+    assert _accepts(named, call % "{}", tokenizer)
+    assert not _accepts(named, call % '{"type": "object"}', tokenizer)
+
