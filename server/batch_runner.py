@@ -190,8 +190,6 @@ class BatchRunner:
                     in_flight[line] = task
                     task.add_done_callback(lambda _, n=line: (in_flight.pop(n, None),
                                                               self.slots.release()))
-                self.store.update(batch_id, ("in_progress",),
-                                  request_counts=self._counts(batch_id))
         finally:
             for task in in_flight.values():
                 task.cancel()
@@ -220,6 +218,8 @@ class BatchRunner:
                              {"status_code": status, "request_id": rid, "body": body}, None)
         self.store.finish_line(batch["id"], line, outcome, json.dumps(result))
         metrics.batch_lines.labels(outcome).inc()
+        # As each line ends, as OpenAI's request_counts move (progress bars read them).
+        self.store.update(batch["id"], ("in_progress",), request_counts=self._counts(batch["id"]))
 
     async def _answer(self, endpoint: str, request: str, tenant: str) -> tuple[dict, str]:
         kind, kind_type = ENDPOINTS[endpoint]

@@ -202,6 +202,23 @@ def test_tenants_see_only_their_own(server, env):
     assert wait_done(alpha, batch.id).status == "completed"
 
 
+def test_request_counts_move_as_each_line_ends(server, env):
+    """A short line's end shows in request_counts while the long ones still run (all three
+    were handed out at once: --batch-max-in-flight 3)."""
+    c = client(server, env, "beta")
+    lines = [chat_line("short", "Hi.", max_tokens=1),
+             *(chat_line(f"long{i}", "Tell a story.", max_tokens=120, ignore_eos=True)
+               for i in range(2))]
+    batch = run_batch(c, lines)
+    seen = []
+    while batch.status not in ("completed", "failed"):
+        batch = c.batches.retrieve(batch.id)
+        seen.append((batch.status, batch.request_counts.completed))
+        time.sleep(0.05)
+    assert ("in_progress", 1) in seen, seen
+    assert batch.request_counts.completed == 3, batch
+
+
 def test_cancel_and_expiry_split_lines_between_the_files(server, env, receiver):
     c = client(server, env, "alpha")
     lines = [chat_line(f"c{i}", f"Write a long story number {i}.", max_tokens=48)
