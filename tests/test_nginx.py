@@ -93,8 +93,11 @@ def test_a_conversation_sticks_to_its_node(cluster: Cluster) -> None:
                 _, node = cluster.chat(f"Turn {turn}", 2, **{header: key})
                 homes.setdefault((header, key), set()).add(node)
     assert all(len(nodes) == 1 for nodes in homes.values()), homes
-    # Consistent hashing still spreads the keys over the nodes.
-    assert set().union(*homes.values()) == set(cluster.nodes), homes
+    # Consistent hashing still spreads the keys over the nodes. The ring's points come from
+    # the nodes' random ports, so six keys all fell on one node in about 1 run in 30; in 30
+    # keys, about 1 in 10^9.
+    spread = {cluster.chat("Hi", 1, **{"X-Session-Id": f"spread-{i}"})[1] for i in range(30)}
+    assert spread == set(cluster.nodes), spread
 
 
 def test_one_trace_through_nginx_and_surge(cluster: Cluster) -> None:
