@@ -71,11 +71,12 @@ class ServerProcess:
             time.sleep(0.3)
         raise TimeoutError(f"surge did not become ready:\n{self.output()}")
 
-    def post(self, path: str, body: dict | bytes, timeout: float = 300) -> tuple[int, dict]:
+    def post(self, path: str, body: dict | bytes, timeout: float = 300,
+             headers: dict[str, str] | None = None) -> tuple[int, dict]:
         """POST a JSON body (a dict, or bytes sent as they are): the status and the answer."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers={
+            "Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.load(r)

@@ -23,7 +23,7 @@ def _piece(tokenizer, text: str, top: list[int]) -> Piece:
     return Piece(0, text, len(ids), None, ids, lps)
 
 
-def _partial(tokenizer, token_text: TokenText) -> list[int]:
+def _partial(tokenizer) -> list[int]:
     """The ids of TEXT's tokens that hold part of a character."""
     return [t for t in tokenizer.encode(TEXT) if "\ufffd" in tokenizer.hf.decode([t])]
 
@@ -33,7 +33,7 @@ def test_a_token_is_its_own_bytes(tokenizer, token_text):
     pairs = [token_text(t) for t in ids]
     assert b"".join(raw for _, raw in pairs) == TEXT.encode()
     assert all("\ufffd" not in text for text, _ in pairs)
-    partial = _partial(tokenizer, token_text)
+    partial = _partial(tokenizer)
     assert len(partial) >= 4  # the emoji and the CJK split into byte pieces
     for t in partial:  # shown as OpenAI shows them: the bytes escaped, "\xf0\x9f"
         text, raw = token_text(t)
@@ -48,7 +48,7 @@ def test_vocabulary_spellings_give_their_bytes():
 
 
 def test_completion_offsets_point_at_the_characters_completed(tokenizer, token_text):
-    partial = _partial(tokenizer, token_text)
+    partial = _partial(tokenizer)
     piece = _piece(tokenizer, TEXT, partial[:3])
     start = 7  # where the piece begins in the choice's text
     body = completion_logprobs(piece, token_text, start)
@@ -68,7 +68,7 @@ def test_completion_offsets_point_at_the_characters_completed(tokenizer, token_t
 
 
 def test_chat_bytes_rebuild_the_text(tokenizer, token_text):
-    partial = _partial(tokenizer, token_text)
+    partial = _partial(tokenizer)
     body = chat_logprobs(_piece(tokenizer, TEXT, partial[:2]), token_text)
     content = body["content"]
     assert bytes(b for c in content for b in c["bytes"]) == TEXT.encode()
