@@ -11,6 +11,7 @@ from surge.config import (
     SpeculativeConfig,
     SurgeConfig,
     live_values,
+    shown,
 )
 from surge.config_frontend import pools_problem, tenants_problem
 from surge.protocol import AdminReply, AdminRequest, EngineStats
@@ -63,12 +64,12 @@ def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats,
     """The reply, and the configuration from now on. facts: what the engine chose at start
     (the kernel backend), shown by get beside the live parameters."""
     if request.command == "get":
-        return AdminReply(True, "live parameters", {**live_values(cfg), **facts}), cfg
+        return AdminReply(True, "live parameters", {**shown(live_values(cfg)), **facts}), cfg
     if request.command == "stats":
         return AdminReply(True, "engine stats", msgspec.structs.asdict(stats)), cfg
     if request.command == "set":
         new = updated(cfg, request.values)
         if isinstance(new, str):
-            return AdminReply(False, new, live_values(cfg)), cfg
-        return AdminReply(True, "applied at this step boundary", live_values(new)), new
+            return AdminReply(False, new, shown(live_values(cfg))), cfg
+        return AdminReply(True, "applied at this step boundary", shown(live_values(new))), new
     return AdminReply(False, f"unknown command {request.command!r}"), cfg

@@ -14,7 +14,7 @@ from scheduler import admin
 from scheduler.scheduler import Scheduler
 from scheduler.stats import StatsCollector
 from shm.ring import RingBuffer, RingClosed
-from surge.config import SurgeConfig
+from surge.config import SurgeConfig, shown
 from surge.model_files import served_name
 from surge.process import child_setup
 from surge.protocol import (
@@ -290,7 +290,7 @@ class SchedulerLoop:
         reply, new = admin.handle(request, self.cfg, self.stats.snapshot(self.scheduler),
                                   {"kernel_backend": self.kernels})
         if new is not self.cfg:
-            log.info("live parameters changed: %s", request.values)
+            log.info("live parameters changed: %s", shown(request.values))
             if _frontend_settings(new) != _frontend_settings(self.cfg):
                 self.outputs.send(encode(LiveSettings(**_frontend_settings(new))))
             self.cfg = new

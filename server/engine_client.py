@@ -53,6 +53,7 @@ class EngineClient:
         # With several replicas: routing, and the limits that span them (one replica's
         # scheduler applies them itself).
         self.fleet = Fleet(cfg, time.time()) if channels.replicas > 1 else None
+        self.tenants = cfg.tenants  # as surge admin set leaves them (LiveSettings)
         self.breaker = Breaker(cfg.overload, on_change=self._report_breaker)
         self._breaker_sent = ("closed", 0.0)  # the state the scheduler was last told, and when
         self._breaker_flush = False  # a later report is scheduled
@@ -86,6 +87,7 @@ class EngineClient:
             if fleet is not None:
                 fleet.router.fault(msg.replica)
         elif isinstance(msg, LiveSettings):
+            self.tenants = msg.tenants
             self.breaker.configure(msg.overload)
             if fleet is not None:
                 fleet.configure(msg, time.time())

@@ -59,7 +59,7 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
         store = None
         add_off_routes(app, str(e))
     if store is not None:
-        webhooks = Webhooks(store, cfg.tenants, cfg.batch)
+        webhooks = Webhooks(store, lambda: engine.tenants, cfg.batch)
         batches = BatchRunner(store, frontend, webhooks, cfg.batch)
         frontend.batch_stats = batches.stats
         BatchApi(store, batches, webhooks, frontend, cfg.batch).add_routes(app)

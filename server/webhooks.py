@@ -12,6 +12,7 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from urllib.parse import urlsplit
 
@@ -42,15 +43,15 @@ def event_id(batch_id: str, kind: str) -> str:
 
 
 class Webhooks:
-    def __init__(self, store: BatchStore, tenants: dict[str, TenantConfig],
+    def __init__(self, store: BatchStore, tenants: Callable[[], dict[str, TenantConfig]],
                  cfg: BatchConfig) -> None:
         self.store = store
-        self.tenants = tenants
+        self.tenants = tenants  # the tenants' settings as they are now (surge admin set)
         self.cfg = cfg
         self.wake = asyncio.Event()
 
     def tenant(self, name: str) -> TenantConfig:
-        return self.tenants.get(name) or TenantConfig()
+        return self.tenants().get(name) or TenantConfig()
 
     def check_metadata(self, tenant: str, metadata: dict[str, str] | None) -> None:
         """A webhook_url in a batch's metadata: only where the tenant's config allows it."""

@@ -13,7 +13,7 @@ import tomllib
 import msgspec
 import zmq
 
-from surge.config import TABLES
+from surge.config import TABLES, is_secret
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
@@ -329,7 +329,10 @@ def run_admin(args: argparse.Namespace) -> int:
         print(_table(reply.values))
     if reply.ok and persist:
         try:
-            print(f"written to {_persist(runtime_dir, {k: reply.values[k] for k in values})}")
+            # The reply's values as the server parsed them; a secret's as given (the reply
+            # only says it is set).
+            written = {k: values[k] if is_secret(k) else reply.values[k] for k in values}
+            print(f"written to {_persist(runtime_dir, written)}")
         except (ValueError, OSError, LookupError) as e:
             print(f"surge admin: {e}", file=sys.stderr)
             return 1

@@ -323,7 +323,7 @@ class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     degrade_max_tokens: Annotated[
         int, Meta(ge=1, description="max_tokens of new requests while capped")
     ] = 64
-    # Batch webhooks; the frontend reads these at start (a restart or reload applies edits).
+    # Batch webhooks: the frontend takes edits (surge admin set, reload) for events from then on.
     webhook_urls: Annotated[
         str, Meta(description="space-separated URLs that receive this tenant's batch events")
     ] = ""
@@ -422,6 +422,20 @@ def live_values(cfg: SurgeConfig) -> dict[str, Any]:
             for field, value in msgspec.to_builtins(entry).items():
                 values[f"{table}.{name}.{field}"] = value
     return values
+
+
+# Fields whose values get, set, reloads and the logs never show (only whether one is set).
+SECRET_FIELDS = frozenset({"webhook_secret"})
+
+
+def is_secret(key: str) -> bool:
+    """Whether a live parameter's name (tenants.NAME.FIELD) is a secret's."""
+    return key.rpartition(".")[2] in SECRET_FIELDS
+
+
+def shown(values: dict[str, Any]) -> dict[str, Any]:
+    """Live values as get, set and the logs show them: a secret as "<redacted>" when set."""
+    return {k: "<redacted>" if v and is_secret(k) else v for k, v in values.items()}
 
 
 def flatten(cfg: SurgeConfig) -> dict[str, str]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+import tomllib
 import urllib.request
 
 import openai
@@ -306,3 +309,42 @@ def test_list_pages_and_stats(server, env):
     assert stats["lines_done"] == counted["done"] and stats["lines_pending"] == 0
     assert stats["lines_failed"] == sum(counted.values()) - counted["done"]
     assert os.path.exists(env["root"] / "state" / "batches.sqlite3")
+
+
+def test_webhook_settings_change_live_and_the_secret_is_never_shown(server, env):
+    """`surge admin set` gives a tenant receivers and a secret that its next batch's event is
+    signed with; get, set and the server's log show only that one is set, and --persist
+    writes the secret itself."""
+    secret = "whsec_" + "bGl2ZS1zZWNyZXQtZm9yLXRoZS1iYXRjaC10ZXN0cyE="  # 32 bytes
+    receiver = Receiver(secret)
+
+    def admin(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "surge.cli", "admin", "--port",
+                               str(server.port), *args], capture_output=True, text=True,
+                              env={**os.environ, "XDG_RUNTIME_DIR": str(env["root"])},
+                              timeout=60)
+
+    try:
+        bad = admin("set", "tenants.beta.webhook_secret=whsec_%%")
+        assert bad.returncode == 1 and "webhook_secret" in bad.stderr
+        done = admin("set", f"tenants.beta.webhook_urls={receiver.url}",
+                     f"tenants.beta.webhook_secret={secret}", "--persist")
+        assert done.returncode == 0, done.stderr
+        # --persist writes the secret itself, not what the reply shows of it.
+        with open(env["root"] / "surge.toml", "rb") as f:
+            assert tomllib.load(f)["tenants"]["beta"]["webhook_secret"] == secret
+        got = admin("get", "--json")
+        values = json.loads(got.stdout)["values"]
+        assert values["tenants.beta.webhook_secret"] == "<redacted>"
+        assert values["tenants.alpha.webhook_secret"] == "<redacted>"
+        assert values["tenants.beta.webhook_urls"] == receiver.url
+        beta = client(server, env, "beta")
+        batch = wait_done(beta, run_batch(beta, [chat_line("b", "hi")]).id)
+        assert batch.status == "completed"
+        receiver.wait_event("batch.completed", batch.id)
+        for text in (done.stdout, done.stderr, got.stdout, server.output()):
+            assert secret not in text and SECRET not in text
+        assert "<redacted>" in done.stdout
+    finally:
+        admin("set", "tenants.beta.webhook_urls=", "tenants.beta.webhook_secret=", "--persist")
+        receiver.close()

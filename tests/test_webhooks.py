@@ -22,7 +22,7 @@ def test_one_failing_delivery_never_stops_the_others(tmp_path, caplog):
     tenants = {"good": TenantConfig(webhook_urls=receiver.url, webhook_secret=SECRET),
                "bad": TenantConfig(webhook_urls=receiver.url,
                                    webhook_secret="whsec_not base64!")}
-    webhooks = Webhooks(store, tenants, BatchConfig(webhook_backoff_s=60))
+    webhooks = Webhooks(store, lambda: tenants, BatchConfig(webhook_backoff_s=60))
     for tenant in ("bad", "good"):
         store.add_batch(tenant, {"id": f"batch_{tenant}", "status": "in_progress"})
         store.update(f"batch_{tenant}", ("in_progress",),
