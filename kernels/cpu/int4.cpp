@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "integer_product.h"
 #include "kernels.h"
@@ -50,6 +51,30 @@ struct Int4W {
     const __m128i low = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low),
                             _mm_and_si128(bytes, low));
+  }
+  // Rows [n, n + 16) (four whole records) at columns [k, k + 32) as bytes32 gives them, in
+  // words[p] lane r word p of row r: p < 4 the low nibbles of its bytes 4p..4p+3, p >= 4 the
+  // high ones of bytes 4(p - 4)..; then the rows' steps and minimums. A record's 64 bytes of
+  // nibbles are one vector (row r' in 128-bit lane r'), so a permute a record and eight lane
+  // shuffles do what transposing the 16 rows one at a time did (14% of a 64-row product).
+  static constexpr bool kWhole = true;
+  void whole(int64_t n, int64_t k, __m512i* words, float* steps, float* mins) const {
+    // Lane p of t[j]: dword p of each of record j's four rows.
+    const __m512i across = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i t[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const uint8_t* rec = record(n + 4 * j, 4, k);
+      t[j] = _mm512_permutexvar_epi32(across, _mm512_loadu_si512(rec));
+      std::memcpy(steps + 4 * j, rec + 4 * kBlock / 2, 4 * sizeof(float));
+      std::memcpy(mins + 4 * j, rec + 4 * kBlock / 2 + 4 * sizeof(float), 4 * sizeof(float));
+    }
+    __m512i dwords[4];
+    records::lanes_across(t, dwords);
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t p = 0; p < 4; ++p) {
+      words[p] = _mm512_and_si512(dwords[p], low);
+      words[4 + p] = _mm512_and_si512(_mm512_srli_epi16(dwords[p], 4), low);
+    }
   }
 #endif
 #if defined(__AVX512F__)

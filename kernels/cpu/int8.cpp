@@ -6,6 +6,8 @@
 // product instead, from the same records, which rounds each fp32 weight once to bf16.
 #include <ATen/core/Tensor.h>
 
+#include <cstring>
+
 #include "integer_product.h"
 #include "kernels.h"
 #include "records.h"
@@ -37,6 +39,26 @@ struct Int8W {
   }
   __m256i bytes32(int64_t n, int64_t rows, int64_t r, int64_t k) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record(n, rows, k) + r * kBlock));
+  }
+  // Rows [n, n + 16) (four whole records) at columns [k, k + 32), in words[p] lane r word p
+  // (bytes 4p..4p+3) of row r, then the rows' scales: a record's 128 bytes are two vectors,
+  // two permutes of the pair and records::lanes_across put each row's words in place.
+  static constexpr bool kWhole = true;
+  void whole(int64_t n, int64_t k, __m512i* words, float* steps, float*) const {
+    // Lane p of t[j][h]: word 4h + p of each of record j's four rows.
+    const __m512i across = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11,
+                                             19, 27);
+    __m512i t[2][4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const int8_t* rec = record(n + 4 * j, 4, k);
+      const __m512i front = _mm512_loadu_si512(rec), back = _mm512_loadu_si512(rec + 64);
+      t[0][j] = _mm512_permutex2var_epi32(front, across, back);
+      t[1][j] = _mm512_permutex2var_epi32(front, _mm512_add_epi32(across, _mm512_set1_epi32(4)),
+                                          back);
+      std::memcpy(steps + 4 * j, rec + 4 * kBlock, 4 * sizeof(float));
+    }
+    for (int64_t h = 0; h < 2; ++h)
+      records::lanes_across(t[h], words + 4 * h);
   }
 #endif
 #if defined(__AVX512F__)

@@ -31,6 +31,8 @@
 //   widen32(n, rows, r, k)      W[n + r, k:k+32] as 32 int16 in one vector (AVX-512),
 //   kSigned                     whether W's integers are signed (int8) or not (int4's nibbles),
 //   bytes32(n, rows, r, k)      W[n + r, k:k+32] as 32 bytes (AVX-512, for 8-bit x),
+//   kWhole                      whether it has whole(n, k, words, steps, mins): 16 rows' bytes at
+//                               once in Lanes' layout (AVX-512, for 8-bit x),
 //   steps(n, rows, k)           the rows' scales at columns [k, k + 32), `rows` floats,
 //   mins(n, rows, k)            and their minimums (kMins formats).
 #pragma once
@@ -137,12 +139,11 @@ inline float round_block(const float* p, Q* q, int32_t& total) {
 }
 #endif
 
-// x [M, K] per block of 32 columns as q * step (round_block, integers Q), and the block's sum
-// of those values (step times a sum of q, exact for int16's power-of-two steps) for the
-// minimums' term.
-template <typename Q = int16_t>
+#if SURGE_INTEGER_AVX2
+// x [M, K] per block of 32 columns as q * step (round_block), and the block's sum of those
+// values (step times a sum of q, exact for int16's power-of-two steps) for the minimums' term.
 struct RoundedX {
-  std::vector<Q> q;
+  std::vector<int16_t> q;
   std::vector<float> step, sum;  // [M, K / 32]
   int64_t K, blocks;
 
@@ -158,7 +159,6 @@ struct RoundedX {
   }
 };
 
-#if SURGE_INTEGER_AVX2
 // x [M, K] as RoundedX reads it, q * step in fp32 (exact), for the fp32 products past kTile rows.
 inline at::Tensor rounded(const float* x, int64_t M, int64_t K) {
   auto out = at::empty({M, K}, at::kFloat);
@@ -185,7 +185,7 @@ inline __m128i reduce4(const __m256i (&d)[kRows]) {
 // fp32 sum. A row's sums run in the same order whatever the tile, so one row alone and two
 // together give the same bits.
 template <int64_t tile, typename W, typename T>
-void dot(const RoundedX<>& x, const W& w, int64_t n, int64_t rows, T* out, int64_t ldo) {
+void dot(const RoundedX& x, const W& w, int64_t n, int64_t rows, T* out, int64_t ldo) {
   const int64_t K = x.K;
   const __m128i valid = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(rows)),
                                         _mm_setr_epi32(0, 1, 2, 3));
@@ -238,7 +238,7 @@ void dot(const RoundedX<>& x, const W& w, int64_t n, int64_t rows, T* out, int64
 // widened into registers once and used by every x row, so W's bytes are read once a call.
 template <typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
-  const RoundedX<> xr(x, M, K);
+  const RoundedX xr(x, M, K);
   at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = b * kRows, rows = std::min(kRows, N - n);
@@ -299,6 +299,14 @@ struct Lanes {
   void fill(const W& w, int64_t n, int64_t N) {
     static_assert(kLanes % kRows == 0, "a task's rows are whole records");
     const int64_t blocks = static_cast<int64_t>(steps.size()) / kLanes;
+    if constexpr (sizeof(Q) == 1 && W::kWhole) {
+      if (N - n >= kLanes) {
+        for (int64_t b = 0; b < blocks; ++b)
+          w.whole(n, b * kBlock, &words[b * kWords], &steps[b * kLanes], &mins[b * kLanes]);
+        if constexpr (W::kSigned) starts(blocks);
+        return;
+      }
+    }
     constexpr int64_t kPer = kLanes / kWords;  // blocks a transpose takes: 1, or 2 for bytes
     for (int64_t b = 0; b < blocks; b += kPer) {
       const int64_t count = std::min(kPer, blocks - b);
@@ -327,33 +335,65 @@ struct Lanes {
             row = _mm512_inserti64x4(
                 _mm512_castsi256_si512(w.bytes32(first, rows, r, b * kBlock)), next, 1);
           }
-          if constexpr (W::kSigned && kPer > 1) {
-            // Each 8 bytes' sum of w + 128 (as unsigned): the two blocks' halves, less 32 *
-            // 128 (a row past N: zeros, whose start is 0 too).
-            const __m512i eights = _mm512_sad_epu8(
-                _mm512_xor_si512(row, _mm512_set1_epi8(static_cast<char>(0x80))),
-                _mm512_setzero_si512());
-            for (int64_t j = 0; j < 2; ++j)
-              start[(b + j) * kLanes + lane + r] = -128 * static_cast<int32_t>(
-                  _mm512_mask_reduce_add_epi64(static_cast<__mmask8>(0x0F << (4 * j)), eights)
-                  - 32 * 128);
-          }
         }
       }
       transpose(v);  // 16 words a row: a block's word p of every row in v[p], two blocks' bytes
       for (int64_t p = 0; p < kLanes; ++p) words[b * kWords + p] = v[p];
     }
+    if constexpr (W::kSigned && kPer > 1) starts(blocks);
+  }
+
+  // Signed bytes' sums start at -128 times the row's sum of the block's values, which takes
+  // back what x's offset of 128 adds (a row past N: zeros, whose start is 0 too).
+  void starts(int64_t blocks) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i total = _mm512_setzero_si512();
+      for (int64_t p = 0; p < kWords; ++p)
+        total = _mm512_dpbusd_epi32(total, _mm512_set1_epi8(1), words[b * kWords + p]);
+      _mm512_storeu_si512(&start[b * kLanes], _mm512_mullo_epi32(total, _mm512_set1_epi32(-128)));
+    }
   }
 };
 
-// tile x rows from row m against the 16 W rows of `lanes` (the first `rows` real): per block,
+// x [M, K] rounded a block at a time (round_block, integers Q) and laid out for the tiles: per
+// group of kXTile rows and per block, word p of row t at [p][t], and the rows' steps and sums
+// (step times the sum of q, for the minimums' term) at [t], so that a tile reads all its rows' broadcasts through one pointer
+// (eight row pointers, with their steps' and sums', spilled the registers). A last group's
+// missing rows are zeros.
+template <typename Q>
+struct TiledX {
+  static constexpr int64_t kWords = kBlock * sizeof(Q) / 4;  // a block's words a row: 16 or 8
+  std::vector<int32_t> words;     // [groups][blocks][kWords][kXTile]
+  std::vector<float> step, sum;   // [groups][blocks][kXTile]
+  int64_t blocks;
+
+  TiledX(const float* x, int64_t M, int64_t K)
+      : words(groups(M) * K / kBlock * kWords * kXTile), step(groups(M) * K / kBlock * kXTile),
+        sum(step.size()), blocks(K / kBlock) {
+    at::parallel_for(0, M * blocks, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / blocks, b = i % blocks;
+        const int64_t at = (m / kXTile * blocks + b) * kXTile + m % kXTile;
+        Q q[kBlock];
+        int32_t total;
+        step[at] = round_block(x + i * kBlock, q, total);
+        sum[at] = step[at] * static_cast<float>(total);
+        int32_t* w = words.data() + (at - m % kXTile) * kWords + m % kXTile;
+        for (int64_t p = 0; p < kWords; ++p) std::memcpy(w + p * kXTile, q + p * 4 / sizeof(Q), 4);
+      }
+    });
+  }
+  static int64_t groups(int64_t M) { return (M + kXTile - 1) / kXTile; }
+};
+
+// tile x rows of group g against the 16 W rows of `lanes` (the first `rows` real): per block,
 // each row's exact int32 sum of W times x (vpdpwssd on int16 pairs; vpdpbusd on bytes, four at
 // a time: int4's unsigned nibbles times x's int8, or x + 128 times int8's signed values), scaled
 // as the AVX2 product scales them.
 template <int64_t tile, bool mins, bool is_signed, typename Q, typename T>
-void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T* out,
+void dot(const TiledX<Q>& x, int64_t g, const Lanes<Q>& lanes, int64_t rows, T* out,
          int64_t ldo) {
-  constexpr int64_t kWords = Lanes<Q>::kWords, kPerWord = 4 / sizeof(Q);
+  constexpr int64_t kWords = Lanes<Q>::kWords;
   constexpr bool kOffset = sizeof(Q) == 1 && is_signed;
   __m512 acc[tile];
   for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
@@ -362,15 +402,15 @@ void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T
     const __m512i first = kOffset ? _mm512_loadu_si512(lanes.start.data() + b * kLanes)
                                   : _mm512_setzero_si512();
     for (int64_t t = 0; t < tile; ++t) dots[t] = first;
-    const Q* xq = x.q.data() + m * x.K + b * kBlock;
+    const int64_t at = (g * x.blocks + b) * kXTile;
+    const int32_t* xw = x.words.data() + at * kWords;
     const __m512i* w = lanes.words.data() + b * kWords;
 #pragma GCC unroll 16
     for (int64_t p = 0; p < kWords; ++p) {
       const __m512i wv = _mm512_load_si512(w + p);
 #pragma GCC unroll 8
       for (int64_t t = 0; t < tile; ++t) {
-        int32_t word;
-        std::memcpy(&word, xq + t * x.K + kPerWord * p, sizeof word);
+        const int32_t word = xw[p * kXTile + t];
         if constexpr (kOffset) {  // each byte's top bit flipped: q + 128, unsigned
           dots[t] = _mm512_dpbusd_epi32(dots[t], _mm512_set1_epi32(word ^ 0x80808080), wv);
         } else if constexpr (sizeof(Q) == 1) {
@@ -384,10 +424,9 @@ void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T
     const __m512 least = _mm512_loadu_ps(lanes.mins.data() + b * kLanes);
 #pragma GCC unroll 8
     for (int64_t t = 0; t < tile; ++t) {
-      const int64_t i = (m + t) * x.blocks + b;
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]),
-                               _mm512_mul_ps(steps, _mm512_set1_ps(x.step[i])), acc[t]);
-      if constexpr (mins) acc[t] = _mm512_fmadd_ps(least, _mm512_set1_ps(x.sum[i]), acc[t]);
+                               _mm512_mul_ps(steps, _mm512_set1_ps(x.step[at + t])), acc[t]);
+      if constexpr (mins) acc[t] = _mm512_fmadd_ps(least, _mm512_set1_ps(x.sum[at + t]), acc[t]);
     }
   }
   for (int64_t t = 0; t < tile; ++t) {
@@ -401,7 +440,7 @@ void dot(const RoundedX<Q>& x, int64_t m, const Lanes<Q>& lanes, int64_t rows, T
 // row passes over them.
 template <typename Q, typename T, typename W>
 void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w) {
-  const RoundedX<Q> xr(x, M, K);
+  const TiledX<Q> xr(x, M, K);
   at::parallel_for(0, (N + kLanes - 1) / kLanes, 1, [&](int64_t begin, int64_t end) {
     Lanes<Q> lanes(K / kBlock);
     for (int64_t g = begin; g < end; ++g) {
@@ -409,8 +448,8 @@ void product(const float* x, int64_t M, int64_t K, int64_t N, T* out, const W& w
       lanes.fill(w, n, N);
       for (int64_t m = 0; m < M; m += kXTile) {
         auto run = [&](auto tile) {
-          dot<decltype(tile)::value, W::kMins, W::kSigned>(xr, m, lanes, rows, out + m * N + n,
-                                                           N);
+          dot<decltype(tile)::value, W::kMins, W::kSigned>(xr, m / kXTile, lanes, rows,
+                                                           out + m * N + n, N);
         };
         switch (std::min(kXTile, M - m)) {
           case 8: run(std::integral_constant<int64_t, 8>{}); break;

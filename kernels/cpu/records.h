@@ -71,6 +71,20 @@ inline at::Tensor pack(const at::Tensor& values, const std::vector<at::Tensor>& 
   return blob;
 }
 
+#if defined(__AVX512F__)
+// The 4 x 4 128-bit lanes of t transposed: out[p] is lane p of t[0], t[1], t[2] and t[3] in
+// turn (a 16-row task's word p, from four records' vectors whose lane p holds it for the
+// record's four rows).
+inline void lanes_across(const __m512i (&t)[4], __m512i* out) {
+  const __m512i a = _mm512_shuffle_i32x4(t[0], t[1], 0x44), b = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+  const __m512i c = _mm512_shuffle_i32x4(t[2], t[3], 0x44), d = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+  out[0] = _mm512_shuffle_i32x4(a, c, 0x88);
+  out[1] = _mm512_shuffle_i32x4(a, c, 0xDD);
+  out[2] = _mm512_shuffle_i32x4(b, d, 0x88);
+  out[3] = _mm512_shuffle_i32x4(b, d, 0xDD);
+}
+#endif
+
 // What a product over a packed blob checks before reading it: x [M, K] and the blob (of `type`,
 // contiguous) on the CPU, the blob packed by `pack` for x's K columns (named, rather than read
 // past); the format's layout (`layout(K)`) for x.
