@@ -7,6 +7,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -106,13 +107,14 @@ class BatchApi:
         return found
 
     async def list_files(self, request: web.Request) -> web.Response:
-        _check_query(request, {"purpose"})
-        purpose = request.query.get("purpose")
-        data = [f for f in self.store.files(request[TENANT])
-                if purpose is None or f["purpose"] == purpose]
-        return _json({"object": "list", "data": data, "has_more": False,
-                      "first_id": data[0]["id"] if data else None,
-                      "last_id": data[-1]["id"] if data else None})
+        _check_query(request, {"purpose", "limit", "after", "order"})
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order must be asc or desc (by creation)", param="order")
+        tenant = request[TENANT]
+        after, limit = _page(request, 10000, 10000, lambda i: self.store.file(tenant, i))
+        return _list(*self.store.files(tenant, request.query.get("purpose"), after, limit,
+                                       order == "asc"))
 
     async def get_file(self, request: web.Request) -> web.Response:
         return _json(self._file(request))
@@ -176,14 +178,9 @@ class BatchApi:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         _check_query(request, {"limit", "after"})
-        raw = request.query.get("limit", "20")
-        if not raw.isdigit() or not 1 <= int(raw) <= 100:
-            raise ApiError(400, "limit must be an integer from 1 to 100", param="limit")
-        data, more = self.store.batches(request[TENANT], request.query.get("after"),
-                                        int(raw))
-        return _json({"object": "list", "data": data, "has_more": more,
-                      "first_id": data[0]["id"] if data else None,
-                      "last_id": data[-1]["id"] if data else None})
+        tenant = request[TENANT]
+        after, limit = _page(request, 20, 100, lambda i: self.store.batch(tenant, i))
+        return _list(*self.store.batches(tenant, after, limit))
 
     async def cancel(self, request: web.Request) -> web.Response:
         batch = self._batch(request)
@@ -232,6 +229,26 @@ def _check_query(request: web.Request, known: set[str]) -> None:
     if unknown := sorted(set(request.query) - known):
         raise ApiError(400, f"unknown query parameter(s) {', '.join(unknown)}; this list takes "
                             f"{', '.join(sorted(known))}", param=unknown[0])
+
+
+def _page(request: web.Request, default: int, most: int,
+          find: Callable[[str], dict | None]) -> tuple[str | None, int]:
+    """A list's cursor (an id `find` knows: an unknown one would silently start over) and
+    page size from the query."""
+    raw = request.query.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise ApiError(400, f"limit must be an integer from 1 to {most}", param="limit")
+    after = request.query.get("after")
+    if after is not None and find(after) is None:
+        raise ApiError(400, f"after: no {after!r} to list after (it is an id from this list)",
+                       param="after")
+    return after, int(raw)
+
+
+def _list(data: list[dict], more: bool) -> web.Response:
+    return _json({"object": "list", "data": data, "has_more": more,
+                  "first_id": data[0]["id"] if data else None,
+                  "last_id": data[-1]["id"] if data else None})
 
 
 def _json(payload: dict) -> web.Response:

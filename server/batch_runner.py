@@ -241,7 +241,7 @@ class BatchRunner:
         if end != "completed":  # lines that never ran go to the error file, each once
             code = "batch_expired" if end == "expired" else "batch_cancelled"
             unrun = [(line, json.dumps(output_line(batch_id, line, custom_id, None, {
-                "code": code, "message": f"the batch was {end} before this line ran",
+                "code": code, "message": f"the batch was {end} before this line was answered",
                 "line": line}))) for line, custom_id in self.store.pending_ids(batch_id)]
             metrics.batch_lines.labels(end).inc(self.store.fail_pending(batch_id, unrun))
         output = list(self.store.results(batch_id, "done"))

@@ -88,11 +88,20 @@ class BatchStore:
         return None if row is None else _file(row["id"], row["purpose"], row["filename"],
                                               row["bytes"], row["created_at"])
 
-    def files(self, tenant: str) -> list[dict]:
-        rows = self.db.execute("SELECT * FROM files WHERE tenant = ? ORDER BY created_at DESC",
-                               (tenant,)).fetchall()
-        return [_file(r["id"], r["purpose"], r["filename"], r["bytes"], r["created_at"])
-                for r in rows]
+    def files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
+              ascending: bool) -> tuple[list[dict], bool]:
+        """A page of the tenant's files (of one purpose where given), newest first unless
+        ascending, after the file `after` (one of the tenant's); and whether more follow."""
+        start = self.db.execute("SELECT rowid FROM files WHERE id = ? AND tenant = ?",
+                                (after, tenant)).fetchone() if after else None
+        beyond, order = (">", "ASC") if ascending else ("<", "DESC")
+        rows = self.db.execute(
+            f"SELECT * FROM files WHERE tenant = ? AND (? IS NULL OR purpose = ?) "
+            f"AND rowid {beyond} ? ORDER BY rowid {order} LIMIT ?",
+            (tenant, purpose, purpose, start[0] if start else (-1 if ascending else 2**62),
+             limit + 1)).fetchall()
+        return ([_file(r["id"], r["purpose"], r["filename"], r["bytes"], r["created_at"])
+                 for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id: str) -> None:
         self.db.execute("DELETE FROM files WHERE id = ?", (file_id,))

@@ -27,6 +27,7 @@ from surge.config_frontend import webhook_key
 log = logging.getLogger("surge.webhooks")
 _MAX_BACKOFF_S = 3600.0
 _AT_ONCE = 16  # deliveries in flight at a time
+RESULTS = ("delivered", "retry", "given_up")  # surge_webhook_deliveries_total's
 
 
 def sign(secret: str, event_id: str, timestamp: int, payload: str) -> str:
@@ -49,6 +50,8 @@ class Webhooks:
         self.tenants = tenants  # the tenants' settings as they are now (surge admin set)
         self.cfg = cfg
         self.wake = asyncio.Event()
+        for result in RESULTS:  # each series at 0 from the start
+            metrics.webhook_deliveries.labels(result)
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants().get(name) or TenantConfig()

@@ -290,15 +290,30 @@ def test_list_pages_and_stats(server, env):
     seen = [b.id for b in c.batches.list(limit=1)]  # the client follows the pages
     assert len(seen) == len(set(seen)) >= 4
     assert seen == [b.id for b in c.batches.list(limit=100)]
-    files = [f.purpose for f in c.files.list()]
-    assert "batch" in files and "batch_output" in files
-    assert {f.purpose for f in c.files.list(purpose="batch_output")} == {"batch_output"}
-    with pytest.raises(openai.BadRequestError, match="order"):
-        c.files.list(order="asc")
+    files = list(c.files.list())
+    assert {"batch", "batch_output"} <= {f.purpose for f in files}
+    assert [f.created_at for f in files] == sorted((f.created_at for f in files), reverse=True)
+    assert [f.id for f in c.files.list(limit=1)] == [f.id for f in files]  # page by page
+    assert [f.id for f in c.files.list(limit=2, order="asc")] == [f.id for f in files][::-1]
+    outputs = [f.id for f in files if f.purpose == "batch_output"]
+    assert [f.id for f in c.files.list(purpose="batch_output", limit=1)] == outputs
+    page = c.files.list(limit=1, after=files[0].id)
+    assert [f.id for f in page.data] == [files[1].id] and page.has_more
+    for call, param in ((lambda: c.files.list(order="sideways"), "order"),
+                        (lambda: c.files.list(limit=0), "limit"),
+                        (lambda: c.files.list(after="file-nonesuch"), "after"),
+                        (lambda: c.batches.list(after="batch_nonesuch"), "after"),
+                        (lambda: c.batches.list(after=files[0].id), "after")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param  # type: ignore[index]
     stats = json.loads(admin_get(server, env, "/stats"))["batches"]
     assert stats["by_state"]["completed"] >= 2 and stats["by_state"]["failed"] == 2
     text = admin_get(server, env, "/metrics")
     assert 'surge_batches{state="completed"}' in text
+    # Each delivery result's series from the start, never-seen ones at 0 (no receiver here
+    # gives up).
+    assert 'surge_webhook_deliveries_total{result="given_up"} 0.0' in text
     # The counter (lines ended here) and /stats (lines kept) agree outcome by outcome; every
     # outcome happened in this module's batches.
     counted = {s.labels["outcome"]: int(s.value) for family in
