@@ -13,7 +13,7 @@ from typing import Any, cast
 import msgspec
 from aiohttp import web
 
-from server.errors import error_body
+from server.errors import ProtocolErrors, error_body
 from surge import metrics
 
 log = logging.getLogger("surge.frontend")
@@ -160,7 +160,11 @@ class ConnectionGuard:
         if len(self.open) >= self.max_connections:
             self._note_refusal()
             return _Refused(self.refusal)
-        return _Guarded(self, server())
+        handler = server()
+        # aiohttp builds its handler with the server's settings and has no hook for the
+        # class; this one only answers its own errors differently (errors.ProtocolErrors).
+        handler.__class__ = ProtocolErrors
+        return _Guarded(self, handler)
 
     def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
         """Tells a connection when its request is being answered, so that no deadline runs

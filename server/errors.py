@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from server.context_keys import MAX_BODY_BYTES, TENANT
 from surge import metrics
@@ -48,6 +49,23 @@ def draining_error() -> ApiError:
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
     return web.json_response(error_body(status, message, param, code), status=status)
+
+
+class ProtocolErrors(RequestHandler):
+    """aiohttp's connection handler, whose own answers (a request it cannot parse: a bad
+    request line, header or chunk encoding) carry the error body every other error has."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a reply began
+        text = (f"the request is not valid HTTP/1.1 ({message or 'unreadable'}); nothing was "
+                "run" if status == 400 else "the server could not answer this request")
+        response = error_response(status, text)
+        response.force_close()
+        return response
 
 
 @web.middleware

@@ -342,6 +342,24 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
     assert code == 200 and payload["usage"]["completion_tokens"] == 2, payload
 
 
+def test_a_request_that_is_not_http_gets_the_json_error_body(server):
+    """aiohttp's parser refuses it before any route runs; the 400 still carries the body every
+    other error has, and the connection closes."""
+    for raw in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+                b"this is not a request line\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(raw)
+            s.settimeout(10)
+            reply = b""
+            while chunk := s.recv(4096):  # the server closes: the whole reply, then EOF
+                reply += chunk
+        head, body = reply.decode().split("\r\n\r\n", 1)
+        assert head.startswith("HTTP/1.1 400"), reply
+        assert "application/json" in head
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and "not valid HTTP" in error["message"]
+
+
 def test_slow_body_is_timed_out(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
