@@ -53,7 +53,7 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class ProtocolErrors(RequestHandler):
     """aiohttp's connection handler, whose own answers (a request it cannot parse: a bad
-    request line, header or chunk encoding) carry the error body every other error has."""
+    request line or header) carry the error body every other error has."""
 
     __slots__ = ()
 
@@ -61,8 +61,11 @@ class ProtocolErrors(RequestHandler):
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises if a reply began
-        text = (f"the request is not valid HTTP/1.1 ({message or 'unreadable'}); nothing was "
-                "run" if status == 400 else "the server could not answer this request")
+        # aiohttp's message goes on to quote the bytes with a caret under them: the first line.
+        why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
+                    if line.strip()), "unreadable")
+        text = (f"the request is not valid HTTP/1.1 ({why}); nothing was run" if status == 400
+                else "the server could not answer this request")
         response = error_response(status, text)
         response.force_close()
         return response

@@ -354,7 +354,7 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
             while chunk := s.recv(4096):  # the server closes: the whole reply, then EOF
                 reply += chunk
         head, body = reply.decode().split("\r\n\r\n", 1)
-        assert head.startswith("HTTP/1.1 400"), reply
+        assert head.split()[1] == "400", reply  # HTTP/1.0: the request's version is unknown
         assert "application/json" in head
         error = json.loads(body)["error"]
         assert error["type"] == "invalid_request_error" and "not valid HTTP" in error["message"]
