@@ -17,8 +17,9 @@ from surge.config_frontend import pools_problem, tenants_problem
 from surge.protocol import AdminReply, AdminRequest, EngineStats
 
 
-def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
-    """The configuration with values applied, or why not (then nothing changes)."""
+def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> SurgeConfig | str:
+    """The configuration with values applied, or why not (then nothing changes). whole (a
+    reload): the values' tenants and pools are all there are, as the file now has them."""
     own: dict[str, dict[str, str]] = {section: {} for section in LIVE}
     per_entry: dict[str, dict[str, dict[str, str]]] = {table: {} for table in TABLES}
     for key, value in values.items():
@@ -44,7 +45,7 @@ def updated(cfg: SurgeConfig, values: dict[str, str]) -> SurgeConfig | str:
                     for section, fields in own.items()}
         tables = {}
         for table, entries in per_entry.items():
-            tables[table] = dict(getattr(cfg, table))
+            tables[table] = {} if whole else dict(getattr(cfg, table))
             for name, fields in entries.items():
                 old = tables[table].get(name)
                 base = msgspec.to_builtins(old) if old is not None else {}
@@ -67,8 +68,8 @@ def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats,
         return AdminReply(True, "live parameters", {**shown(live_values(cfg)), **facts}), cfg
     if request.command == "stats":
         return AdminReply(True, "engine stats", msgspec.structs.asdict(stats)), cfg
-    if request.command == "set":
-        new = updated(cfg, request.values)
+    if request.command in ("set", "reload"):
+        new = updated(cfg, request.values, whole=request.command == "reload")
         if isinstance(new, str):
             return AdminReply(False, new, shown(live_values(cfg))), cfg
         return AdminReply(True, "applied at this step boundary", shown(live_values(new))), new

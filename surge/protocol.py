@@ -275,7 +275,7 @@ class WorkerFailed(Struct, tag=True):
 
 
 class AdminRequest(Struct, tag=True):
-    command: str  # "get" | "set" | "stats"
+    command: str  # "get" | "set" | "reload" (a set whose tables replace the old) | "stats"
     values: dict[str, str] = {}
 
 

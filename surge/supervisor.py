@@ -227,7 +227,7 @@ class Supervisor:
         except ConfigError as e:
             log.error("reload refused, nothing changed: %s", e)
             return
-        reply = ask_all([r.channels.admin for r in self.replicas], "set", flatten(new))
+        reply = ask_all([r.channels.admin for r in self.replicas], "reload", flatten(new))
         if reply.ok:
             log.info("reloaded: %s", reply.values)
             self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,

@@ -79,14 +79,19 @@ def test_admin_round_trip(tmp_path):
         (a_first, a_end), (b_first, b_end) = _two_requests_at_once(server.url)
         assert b_first >= a_end - 0.05
         assert tomllib.loads(config.read_text())["scheduler"]["max_num_seqs"] == 1
-        # reload re-reads the file (as SIGHUP does).
-        config.write_text("[scheduler]\nmax_num_seqs = 5\nbatch_wait_ms = 3\n")
+        # reload re-reads the file (as SIGHUP does): what it says replaces every live edit,
+        # a tenant set live and not persisted included.
+        assert _admin(env, port, "set", "tenants.passing.weight=3")[0] == 0
+        config.write_text("[scheduler]\nmax_num_seqs = 5\nbatch_wait_ms = 3\n"
+                          "[tenants.kept]\nweight = 2\n")
         assert _admin(env, port, "reload")[0] == 0
         deadline = time.monotonic() + 10
         while _admin(env, port, "get")[1]["values"]["max_num_seqs"] != 5:
             assert time.monotonic() < deadline, "reload did not apply"
             time.sleep(0.2)
-        assert _admin(env, port, "get")[1]["values"]["batch_wait_ms"] == 3
+        values = _admin(env, port, "get")[1]["values"]
+        assert values["batch_wait_ms"] == 3 and values["tenants.kept.weight"] == 2
+        assert not any(k.startswith("tenants.passing.") for k in values), values
         code, screen = _admin(env, port, "stats")
         assert code == 0, screen
         lines = screen.splitlines()
