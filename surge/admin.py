@@ -56,12 +56,15 @@ def ask_all(addresses: list[str], command: str,
 
 
 def _pairs(values: list[str]) -> dict[str, str]:
+    """KEY=VALUE items; a key's parameter name may be written as its flag (max-num-seqs), a
+    tenant's or pool's name is kept as it is (tenants.team-a.weight)."""
     pairs = {}
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{item!r} is not KEY=VALUE")
-        pairs[key.strip().replace("-", "_")] = value.strip()
+        head, dot, name = key.strip().rpartition(".")
+        pairs[head + dot + name.replace("-", "_")] = value.strip()
     return pairs
 
 

@@ -206,3 +206,12 @@ def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
     assert cfg.scheduler.policy == "sjf"
     assert cfg.tenants["batch"].weight == 3 and cfg.tenants["batch"].priority == 10
     assert cfg.tenants["new"].max_queued == 5
+
+
+def test_set_takes_flag_spellings_but_keeps_tenant_names():
+    from surge.admin import _pairs
+
+    assert _pairs(["max-num-seqs=3", "tenants.team-a.max-queued=5", "pools.gpu-0.weight=2"]) == {
+        "max_num_seqs": "3", "tenants.team-a.max_queued": "5", "pools.gpu-0.weight": "2"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _pairs(["max_num_seqs"])
