@@ -224,7 +224,12 @@ class BatchRunner:
     async def _answer(self, endpoint: str, request: str, tenant: str) -> tuple[dict, str]:
         kind, kind_type = ENDPOINTS[endpoint]
         translator = self.frontend.translator
-        body = translator.decode_body(request.encode(), kind_type)
+        raw = request.encode()
+        # The endpoint's own limit (its 413), before any decoding or tokenizing of the body.
+        if len(raw) > (limit := self.frontend.cfg.max_body_bytes):
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes "
+                                f"({len(raw)}; --max-body-bytes)", param="body")
+        body = translator.decode_body(raw, kind_type)
         if body.stream:
             raise ApiError(400, "stream is not supported in a batch", param="stream")
         # A line may ask to be less urgent than the batch class, never more.

@@ -64,7 +64,7 @@ def server(env):
     server = ServerProcess("--config", str(root / "surge.toml"), "--api-keys-file",
                            str(root / "keys.json"), "--state-dir", str(root / "state"),
                            "--batch-max-in-flight", "3", "--batch-max-file-bytes", "65536",
-                           "--batch-max-lines", "30",
+                           "--batch-max-lines", "30", "--max-body-bytes", "32768",
                            "--webhook-backoff-s", "0.2",
                            env={"XDG_RUNTIME_DIR": str(root)}).wait_ready()
     yield server
@@ -176,6 +176,17 @@ def test_bad_uploads_are_400(server, env):
             c.batches.create(**{"input_file_id": upload.id, "endpoint": CHAT,
                                 "completion_window": "24h", **kwargs})  # type: ignore[arg-type]
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_line_over_the_body_limit_is_refused_as_its_endpoint_refuses_it(server, env):
+    """A line whose body the endpoint would refuse for its size (413) is refused the same
+    way, before it is decoded or tokenized; the other lines still run."""
+    c = client(server, env, "alpha")
+    batch = wait_done(c, run_batch(c, [chat_line("big", "x" * 40000), chat_line("ok", "hi")]).id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    big = lines_of(c, batch.error_file_id)[0]
+    assert big["custom_id"] == "big" and big["response"]["status_code"] == 413
+    assert "32768" in big["response"]["body"]["error"]["message"]
 
 
 def test_tenants_see_only_their_own(server, env):
