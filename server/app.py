@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -39,6 +40,9 @@ from surge.replica_stats import total
 
 log = logging.getLogger("surge.frontend")
 _json = msgspec.json.Encoder()
+_JSON = re.compile(r"application/(?:[\w.+-]+\+)?json")  # application/json, .../x+json
+# What aiohttp decodes (br and zstd where their modules are installed, else a 400 naming it).
+_ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
 
 
 class Frontend:
@@ -67,6 +71,21 @@ class Frontend:
     # ---- endpoints ----
 
     async def read_body(self, request: web.Request) -> bytes:
+        """A JSON endpoint's body, refused before it is read where the request says what
+        surge would misread or ignore."""
+        if request.query:  # the parameters are the body's; a query would be ignored
+            raise ApiError(400, f"unknown query parameter(s) {', '.join(sorted(request.query))}"
+                                f"; this endpoint takes its parameters in the JSON body",
+                           param=sorted(request.query)[0])
+        # Only JSON (or no Content-Type): a browser sends text/plain and form bodies to another
+        # site without asking it first, which would let any web page run requests here.
+        if "Content-Type" in request.headers and not _JSON.fullmatch(request.content_type):
+            raise ApiError(415, f"Content-Type must be application/json, not "
+                                f"{request.content_type!r}")
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ENCODINGS:  # aiohttp passes an unknown one's bytes on undecoded
+            raise ApiError(415, f"Content-Encoding {encoding!r} is not supported; send the body "
+                                f"as {', '.join(_ENCODINGS)}")
         # A declared length over the limit is refused at once, not after the body's timeout.
         limit = request.app[MAX_BODY_BYTES]
         if request.content_length is not None and request.content_length > limit:

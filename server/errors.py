@@ -21,6 +21,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error",
           429: "rate_limit_error",
           503: "service_unavailable"}
 
@@ -60,10 +61,16 @@ class ProtocolErrors(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if a reply began
+        if status != 400:  # a fault here, not the client's: aiohttp logs it with its trace
+            super().handle_error(request, status, exc, message)
+        elif request.writer.output_size > 0:  # as aiohttp's own: too late for any answer
+            raise ConnectionError("an answer was under way; the connection is broken")
         # aiohttp's message goes on to quote the bytes with a caret under them: the first line.
         why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
                     if line.strip()), "unreadable")
+        if status == 400:  # a client's bad bytes: its access line, no traceback
+            access.info("malformed request %d", status, extra={
+                "status": status, "peer": request.remote, "reason": why})
         text = (f"the request is not valid HTTP/1.1 ({why}); nothing was run" if status == 400
                 else "the server could not answer this request")
         response = error_response(status, text)
@@ -106,11 +113,15 @@ async def _answer(
         response = error_response(e.status, message)
         if e.status == 405 and "Allow" in e.headers:
             response.headers["Allow"] = e.headers["Allow"]
+        if e.status == 413:  # its body is still unread: the connection cannot carry another
+            response.force_close()
         return response
     except (web.RequestPayloadError, HttpProcessingError) as e:
         # A body aiohttp could not read, e.g. one its Content-Encoding does not decode.
         reason = str(e).strip().splitlines()[-1].strip()
-        return error_response(400, f"the request body could not be read: {reason}")
+        response = error_response(400, f"the request body could not be read: {reason}")
+        response.force_close()  # the rest of the body is unreadable too
+        return response
     except ConnectionResetError:
         # The client is gone (mid-body or mid-stream): nobody to answer, nothing went wrong
         # here. 499 is nginx's "client closed request"; aiohttp drops it quietly.

@@ -169,7 +169,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # Tool calling (server/tools.py)
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):

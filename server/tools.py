@@ -35,6 +35,14 @@ def check(body: ChatCompletionRequest) -> None:
     names = [t.function.name for t in body.tools or []]
     if body.tool_choice is not None and not body.tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if body.parallel_tool_calls is not None and not body.tools:
+        raise ApiError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+    for i, t in enumerate(body.tools or []):
+        kind = (t.function.parameters or {}).get("type", "object")
+        if kind != "object":  # the calls' arguments are a JSON object, as clients decode them
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON Schema of type "
+                                f"object (a call's arguments are an object), not {kind!r}",
+                           param="tools")
     if isinstance(body.tool_choice, ToolChoiceNamed) \
             and body.tool_choice.function.name not in names:
         raise ApiError(400, f"tool_choice names {body.tool_choice.function.name!r}, which is "
@@ -131,7 +139,7 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    many = body.parallel_tool_calls and not isinstance(choice, ToolChoiceNamed)
+    many = body.parallel_tool_calls is not False and not isinstance(choice, ToolChoiceNamed)
     fn = f'({" | ".join(f"fn{i}" for i in range(len(tools)))})'
     # (opening, call, separator, closing) of each format's answer
     opening, call, sep, closing = {
@@ -149,5 +157,5 @@ def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[T
     if not tools_on(body):
         return None
     names = [t.function.name for t in body.tools or []]
-    limit = None if body.parallel_tool_calls else 1
+    limit = 1 if body.parallel_tool_calls is False else None
     return [parser_for(fmt, names, limit, calls_forced(body)) for _ in range(n)]

@@ -71,6 +71,9 @@ class RequestTranslator:
         """A request body's prompts (token ids), max_tokens and logprobs count."""
         self.check_model(body.model)  # before any tokenizing is spent on it
         self._check_choices(body)
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only for streamed requests (stream: true)",
+                           param="stream_options")
         if isinstance(body, CompletionRequest):
             if body.best_of is not None and body.best_of != body.n:
                 raise ApiError(400, f"best_of ({body.best_of}) other than n ({body.n}) is not "

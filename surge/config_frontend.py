@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 from typing import TYPE_CHECKING, Annotated
+from urllib.parse import urlsplit
 
 from msgspec import Meta, Struct
 
@@ -94,8 +95,8 @@ def webhook_key(secret: str) -> bytes:
 
 def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str | None:
     """What makes the tenants unusable with the Batch API, if anything (checked at start and
-    on set): a webhook secret that signs nothing, or a tenant whose own requests would be
-    less urgent than its batch lines."""
+    on set): a webhook secret that signs nothing or a receiver that is not an http(s) URL, or
+    a tenant whose own requests would be less urgent than its batch lines."""
     from surge.config import TenantConfig  # surge.config imports this module
 
     # Requests of no named tenant (no API keys, or a key without a table) run as the default.
@@ -105,6 +106,9 @@ def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str
                 webhook_key(tenant.webhook_secret)
             except ValueError as e:
                 return f"tenants.{name}.webhook_secret: {e}"
+        for url in tenant.webhook_urls.split():
+            if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+                return f"tenants.{name}.webhook_urls: {url!r} is not an http(s) URL"
         if tenant.priority >= batch.batch_priority:
             return (f"tenants.{name}.priority={tenant.priority} is not below "
                     f"batch_priority={batch.batch_priority}: batch lines must be less urgent "

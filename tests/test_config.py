@@ -49,6 +49,8 @@ def test_env_config_path_and_bool_flags(tmp_path):
     ([], {}, '[tenants.alpha]\nwebhook_secret = "whsec_not base64!"\n',
      r"tenants\.alpha\.webhook_secret: the base64 after whsec_ is malformed"),
     ([], {}, '[tenants.alpha]\nwebhook_secret = "whsec_"\n', r"tenants\.alpha\.webhook_secret"),
+    ([], {}, '[tenants.alpha]\nwebhook_urls = "https://a.example/x ftp://b.example/y"\n',
+     r"tenants\.alpha\.webhook_urls: 'ftp://b\.example/y' is not an http\(s\) URL"),
     # Batch lines must stay less urgent than a tenant's own requests.
     ([], {}, "[tenants.bulk]\npriority = 100\n",
      r"tenants\.bulk\.priority=100 is not below batch_priority=100"),
@@ -128,5 +130,6 @@ def test_live_tenant_edits_are_checked_as_the_file_is():
     cfg = load_config({}, {})
     assert "batch_priority=100" in updated(cfg, {"tenants.bulk.priority": "100"})
     assert "webhook_secret" in updated(cfg, {"tenants.bulk.webhook_secret": "whsec_%%"})
+    assert "webhook_urls" in updated(cfg, {"tenants.bulk.webhook_urls": "hook.example"})
     edited = updated(cfg, {"tenants.bulk.priority": "99"})
     assert not isinstance(edited, str) and edited.tenants["bulk"].priority == 99

@@ -283,6 +283,7 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
      "min_tokens"),
     ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # no stream
     # Per-request lists are bounded; numbers out of range are the client's fault.
     ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
@@ -330,7 +331,9 @@ def test_a_declared_length_over_the_limit_is_refused_at_once(server):
         s.settimeout(10)
         reply = s.recv(4096).decode()
     assert reply.startswith("HTTP/1.1 413"), reply
-    assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+    head, body = reply.split("\r\n\r\n", 1)
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert "Connection: close" in head  # the body it declared is unread: nothing can follow
 
 
 def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
@@ -340,6 +343,33 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
     assert code == 400 and "could not be read" in payload["error"]["message"], payload
     code, payload = server.post("/v1/completions", gzip.compress(body), headers=gzipped)
     assert code == 200 and payload["usage"]["completion_tokens"] == 2, payload
+    # One it does not know would pass its bytes on undecoded.
+    code, payload = server.post("/v1/completions", body, headers={"Content-Encoding": "zstdx"})
+    assert code == 415 and "zstdx" in payload["error"]["message"], payload
+
+
+def test_a_json_endpoint_takes_json_and_no_query(server):
+    """A body that is not declared JSON is refused (a web page may send text/plain or a
+    form to another site without asking it), as is a query string the endpoint would
+    ignore; no Content-Type at all is read as JSON, as other servers do."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        code, payload = server.post("/v1/completions", body, headers={"Content-Type": kind})
+        assert code == 415 and kind in payload["error"]["message"], (kind, payload)
+    code, payload = server.post("/v1/chat/completions?max_tokens=9", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert code == 400 and payload["error"]["param"] == "max_tokens", payload
+    for headers in ({"Content-Type": "application/json; charset=utf-8"},
+                    {"Content-Type": "application/vnd.api+json"}):
+        assert server.post("/v1/completions", body, headers=headers)[0] == 200, headers
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.settimeout(60)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert reply.split()[1] == b"200", reply
 
 
 def test_a_request_that_is_not_http_gets_the_json_error_body(server):
@@ -358,6 +388,9 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
         assert "application/json" in head
         error = json.loads(body)["error"]
         assert error["type"] == "invalid_request_error" and "not valid HTTP" in error["message"]
+    # Each is one access line, not an error with aiohttp's traceback.
+    assert "Error handling request" not in server.output()
+    assert server.output().count("malformed request 400") >= 2
 
 
 def test_slow_body_is_timed_out(server):

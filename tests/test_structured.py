@@ -345,7 +345,10 @@ def test_tool_fields_that_do_not_fit_are_400(client):
     for extra, param in [({"tool_choice": "required"}, "tool_choice"),
                          ({"tools": [WEATHER], "tool_choice": {
                              "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-                         ({"functions": [WEATHER["function"]]}, "functions")]:
+                         ({"functions": [WEATHER["function"]]}, "functions"),
+                         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+                         ({"tools": [{"type": "function", "function": {
+                             "name": "count", "parameters": {"type": "integer"}}}]}, "tools")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5,
                                            extra_body=extra)
