@@ -31,7 +31,9 @@ class BatchRequest(Struct, forbid_unknown_fields=True):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: Annotated[dict[str, Annotated[str, Meta(max_length=512)]],
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: Annotated[dict[Annotated[str, Meta(max_length=64)],
+                             Annotated[str, Meta(max_length=512)]],
                         Meta(max_length=16)] | None = None
 
 
@@ -64,21 +66,30 @@ class BatchApi:
         file_id = "file-" + secrets.token_hex(12)
         path = self.store.path(file_id)
         purpose, filename, size = None, None, 0
+        seen: set[str | None] = set()
         try:
             async for part in await request.multipart():
                 if not isinstance(part, BodyPartReader):
                     raise ApiError(400, "nested multipart bodies are not accepted")
+                if part.name in seen:
+                    raise ApiError(400, f"the form has two {part.name!r} fields; send one file "
+                                        "an upload", param=part.name)
+                seen.add(part.name)
                 if part.name == "purpose":
                     purpose = (await part.read(decode=True)).decode(errors="replace")
                 elif part.name == "file":
                     filename = part.filename or "upload.jsonl"
+                    if len(filename) > 255:
+                        raise ApiError(400, f"the file's name is {len(filename)} characters; "
+                                            "at most 255", param="file")
                     size = await self._save(part, path)
                 else:
                     raise ApiError(400, f"unknown form field {part.name!r}; send file and "
                                         "purpose", param=part.name)
             if purpose != "batch":
-                raise ApiError(400, f"purpose must be 'batch' (got {purpose!r}); surge keeps "
-                                    "files for the Batch API only", param="purpose")
+                got = "none was given" if purpose is None else f"got {purpose!r}"
+                raise ApiError(400, f"purpose must be 'batch' ({got}); surge keeps files for "
+                                    "the Batch API only", param="purpose")
             if filename is None:
                 raise ApiError(400, "no file in the upload (form field 'file')", param="file")
             await asyncio.to_thread(_check_jsonl, path)
@@ -211,7 +222,7 @@ def _check_jsonl(path: Path) -> None:
     with open(path, "rb") as f:
         for raw in f:
             try:
-                text = raw.decode()
+                text = raw.decode("utf-8-sig")  # an editor's byte order mark is no content
             except UnicodeDecodeError:
                 raise ApiError(400, "the file is not UTF-8 text; a batch file is JSON lines",
                                param="file") from None

@@ -66,7 +66,7 @@ def read_lines(path: Path, batch_id: str, endpoint: str, limit: int
     (as OpenAI refuses it: an answer must name its request)."""
     rows: list[tuple[int, str | None, str, str | None, str | None]] = []
     seen: dict[str, int] = {}  # custom_id -> its line
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM
         for number, text in enumerate(f, 1):
             if not text.strip():
                 continue

@@ -32,7 +32,7 @@ class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
-    name: str
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]  # OpenAI's
     description: str | None = None
     # OpenAI names it `schema`; the Struct attribute cannot shadow msgspec's own names.
     json_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")

@@ -31,6 +31,7 @@ T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
 # Prompts longer than this many characters are tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
+_AT = re.compile(r"`\$\.([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
@@ -54,7 +55,9 @@ class RequestTranslator:
         try:
             return msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as e:
-            path = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else ""
+            # "at `$.a.b`", or for a dict's key "at `key` in `$.a`"
+            at = _AT.search(str(e))
+            path = at.group(1) if at else ""
             unknown = _UNKNOWN_FIELD.search(str(e))
             missing = _MISSING_FIELD.search(str(e))
             param = path.split("[")[0].split(".")[0] or (unknown and unknown.group(1)) or (

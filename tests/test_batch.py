@@ -12,6 +12,7 @@ import time
 import tomllib
 import urllib.request
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -168,6 +169,20 @@ def test_bad_uploads_are_400(server, env):
         with pytest.raises(openai.BadRequestError) as e:
             c.files.create(file=("in.jsonl", content), purpose=purpose)  # type: ignore[arg-type]
         assert needle in e.value.message
+    with pytest.raises(openai.BadRequestError, match="at most 255"):
+        c.files.create(file=("x" * 300 + ".jsonl", jsonl([chat_line("a", "hi")])),
+                       purpose="batch")
+    # Two files in one form: refused, not the first silently replaced by the second.
+    two = httpx.post(f"{server.url}/v1/files", data={"purpose": "batch"},
+                     headers={"Authorization": f"Bearer {env['keys']['alpha']}"},
+                     files=[("file", ("a.jsonl", jsonl([chat_line("a", "hi")]))),
+                            ("file", ("b.jsonl", jsonl([chat_line("b", "hi")])))])
+    assert two.status_code == 400 and two.json()["error"]["param"] == "file", two.text
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's bound on metadata keys
+        c.batches.create(input_file_id=c.files.create(
+            file=("in.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch").id,
+            endpoint=CHAT, completion_window="24h", metadata={"k" * 65: "v"})
+    assert e.value.body["param"] == "metadata"  # type: ignore[index]
     upload = c.files.create(file=("in.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch")
     for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"),
                           ({"completion_window": "tomorrow"}, "completion_window"),
@@ -176,6 +191,16 @@ def test_bad_uploads_are_400(server, env):
             c.batches.create(**{"input_file_id": upload.id, "endpoint": CHAT,
                                 "completion_window": "24h", **kwargs})  # type: ignore[arg-type]
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_file_that_begins_with_a_byte_order_mark_runs(server, env):
+    c = client(server, env, "alpha")
+    upload = c.files.create(file=("in.jsonl", b"\xef\xbb\xbf" + jsonl([chat_line("a", "hi")])),
+                            purpose="batch")
+    batch = wait_done(c, c.batches.create(input_file_id=upload.id, endpoint=CHAT,
+                                          completion_window="24h").id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 0), batch
+    assert lines_of(c, batch.output_file_id)[0]["custom_id"] == "a"
 
 
 def test_a_line_over_the_body_limit_is_refused_as_its_endpoint_refuses_it(server, env):

@@ -186,6 +186,8 @@ def test_guided_regex_choice_and_grammar(client, seed):
     ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {  # OpenAI's name pattern
+        "name": "a b/c", "schema": {"type": "object"}}}}, "response_format"),
 ])
 def test_constraints_the_engine_cannot_honour_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
