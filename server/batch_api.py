@@ -72,8 +72,8 @@ class BatchApi:
                 if not isinstance(part, BodyPartReader):
                     raise ApiError(400, "nested multipart bodies are not accepted")
                 if part.name in seen:
-                    raise ApiError(400, f"the form has two {part.name!r} fields; send one file "
-                                        "an upload", param=part.name)
+                    raise ApiError(400, f"the form has two {part.name!r} fields; send one of "
+                                        "each an upload", param=part.name)
                 seen.add(part.name)
                 if part.name == "purpose":
                     purpose = (await part.read(decode=True)).decode(errors="replace")

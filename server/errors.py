@@ -63,17 +63,18 @@ class ProtocolErrors(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if status != 400:  # a fault here, not the client's: aiohttp logs it with its trace
             super().handle_error(request, status, exc, message)
-        elif request.writer.output_size > 0:  # as aiohttp's own: too late for any answer
-            raise ConnectionError("an answer was under way; the connection is broken")
-        # aiohttp's message goes on to quote the bytes with a caret under them: the first line.
-        why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
-                    if line.strip()), "unreadable")
-        if status == 400:  # a client's bad bytes: its access line, no traceback
+            response = error_response(status, "the server could not answer this request")
+        else:  # a client's bad bytes: its access line, no traceback
+            if request.writer.output_size > 0:  # as aiohttp's own: too late for any answer
+                raise ConnectionError("an answer was under way; the connection is broken")
+            # aiohttp's message goes on to quote the bytes with a caret under them: its first
+            # line says what was wrong.
+            why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
+                        if line.strip()), "unreadable")
             access.info("malformed request %d", status, extra={
                 "status": status, "peer": request.remote, "reason": why})
-        text = (f"the request is not valid HTTP/1.1 ({why}); nothing was run" if status == 400
-                else "the server could not answer this request")
-        response = error_response(status, text)
+            response = error_response(400, f"the request is not valid HTTP/1.1 ({why}); "
+                                           "nothing was run")
         response.force_close()
         return response
 
