@@ -118,10 +118,15 @@ async def _answer(
             response.force_close()
         return response
     except (web.RequestPayloadError, HttpProcessingError) as e:
-        # A body aiohttp could not read, e.g. one its Content-Encoding does not decode.
+        # A body aiohttp could not read, e.g. one its Content-Encoding does not decode. The
+        # answer is sent here and the connection closed after it: aiohttp would otherwise
+        # read on to drain the body, meet the same error, and log it with its traceback.
         reason = str(e).strip().splitlines()[-1].strip()
         response = error_response(400, f"the request body could not be read: {reason}")
-        response.force_close()  # the rest of the body is unreadable too
+        response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()
         return response
     except ConnectionResetError:
         # The client is gone (mid-body or mid-stream): nobody to answer, nothing went wrong

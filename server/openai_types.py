@@ -13,6 +13,7 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 MaxTokens = Annotated[int, Meta(ge=1)]
+COMPLETION_MAX_TOKENS = 16
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
@@ -96,7 +97,9 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
 class CompletionRequest(_Common, kw_only=True):
     # A string, a list of token ids, or a batch of either.
     prompt: str | list[str | TokenId | list[TokenId]]
-    max_tokens: MaxTokens | None = 16
+    # Absent or null: COMPLETION_MAX_TOKENS, OpenAI's default (vLLM reads null as "what the
+    # context allows", with which one request could hold a slot for minutes).
+    max_tokens: MaxTokens | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
     # Only best_of == n: surge does not rank extra candidates (a larger one is refused).

@@ -16,6 +16,7 @@ from server import tools
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_types import (
+    COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -85,7 +86,8 @@ class RequestTranslator:
             if body.echo and body.logprobs is not None:
                 raise ApiError(400, "echo together with logprobs is not supported (prompt "
                                     "logprobs are not computed)", param="echo")
-            return await self._completion_prompts(body.prompt), body.max_tokens, body.logprobs
+            max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+            return await self._completion_prompts(body.prompt), max_tokens, body.logprobs
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -346,6 +346,17 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
     # One it does not know would pass its bytes on undecoded.
     code, payload = server.post("/v1/completions", body, headers={"Content-Encoding": "zstdx"})
     assert code == 415 and "zstdx" in payload["error"]["message"], payload
+    # The broken gzip's 400 closed its connection: no traceback of aiohttp reading the rest.
+    assert "Unhandled exception" not in server.output()
+
+
+def test_a_completion_s_max_tokens_null_is_its_default(server):
+    """null is "not given" (OpenAI: defaults to 16), not "as long as the context allows"."""
+    for extra in ({}, {"max_tokens": None}):
+        code, payload = server.post("/v1/completions", {"prompt": "hi", "ignore_eos": True,
+                                                        **extra})
+        assert code == 200 and payload["usage"]["completion_tokens"] == 16, (extra, payload)
+        assert payload["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_json_endpoint_takes_json_and_no_query(server):
