@@ -19,7 +19,9 @@ TokenId = Annotated[int, Meta(ge=0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Choices = Annotated[int, Meta(ge=1, le=16)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-Stop = str | Annotated[list[str], Meta(max_length=4)]
+# An empty stop string would match nowhere: refused rather than ignored.
+StopString = Annotated[str, Meta(min_length=1)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=4)]
 # Per-request lists are bounded, so one request cannot make a step too large to stage: OpenAI's
 # own cap for logit_bias, and far more stop ids than any tokenizer has end tokens.
 MAX_LOGIT_BIAS = 300
@@ -136,8 +138,11 @@ class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None  # passed to the chat template, which may render it
+    # An assistant turn as OpenAI's responses carry it (replayed conversations): null only,
+    # as a refusal's text has no place in the chat template.
+    refusal: None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 

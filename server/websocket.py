@@ -61,7 +61,7 @@ class Service(Protocol):
                   ) -> tuple[AsyncIterator[Piece], str | None]: ...
 
 
-class _Message(msgspec.Struct, kw_only=True):
+class _Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     id: str | None = None
     endpoint: str | None = None

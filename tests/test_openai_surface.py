@@ -200,6 +200,8 @@ def test_websocket_multiplexing_cancel_and_errors(server):
                                 "body": {"prompt": "Count:", "max_tokens": 2000,
                                          "ignore_eos": True}})
             await ws.send_str("{not json")
+            await ws.send_json({"type": "request", "id": "extra", "endpoint": "completions",
+                                "body": {"prompt": "x"}, "priority": 1})  # not an envelope key
             await ws.send_json({"type": "request", "id": "bad", "endpoint": "completions",
                                 "body": {"prompt": "x", "temperature": -3}})
             await ws.send_json({"type": "request", "id": "nomodel", "endpoint": "completions",
@@ -219,6 +221,8 @@ def test_websocket_multiplexing_cancel_and_errors(server):
 
     seen = asyncio.run(asyncio.wait_for(main(), 120))
     assert seen["?"][0]["type"] == "error"  # the malformed message; the socket lived on
+    assert "priority" in seen["?"][1]["error"]["message"]  # refused, not run
+    assert "extra" not in seen
     assert seen["bad"][-1]["type"] == "error" and seen["bad"][-1]["error"]["param"]
     # The HTTP answer's code too (404 model_not_found), not only its message.
     assert seen["nomodel"][-1]["error"]["code"] == "model_not_found"
@@ -284,6 +288,7 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # no stream
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop"),  # would match nowhere
     # Per-request lists are bounded; numbers out of range are the client's fault.
     ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
@@ -315,6 +320,17 @@ def test_chat_bad_parameters(server):
     code, payload = server.post("/v1/chat/completions",
                           {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
     assert code == 400
+    code, payload = server.post("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": []}]})
+    assert code == 400 and payload["error"]["param"] == "messages", payload
+    # A conversation replayed from OpenAI's answers: its assistant turns carry refusal null.
+    code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        *CHAT[0], {"role": "assistant", "content": "Paris.", "refusal": None},
+        {"role": "user", "content": "And of Spain?"}]})
+    assert code == 200, payload
+    code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "assistant", "content": None, "refusal": "I can't."}]})
+    assert code == 400 and payload["error"]["param"] == "messages", payload
 
 
 def test_body_too_large(server):
