@@ -57,7 +57,6 @@ struct Int4W {
   // high ones of bytes 4(p - 4)..; then the rows' steps and minimums. A record's 64 bytes of
   // nibbles are one vector (row r' in 128-bit lane r'), so a permute a record and eight lane
   // shuffles do what transposing the 16 rows one at a time did (14% of a 64-row product).
-  static constexpr bool kWhole = true;
   void whole(int64_t n, int64_t k, __m512i* words, float* steps, float* mins) const {
     // Lane p of t[j]: dword p of each of record j's four rows.
     const __m512i across = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);

@@ -43,7 +43,6 @@ struct Int8W {
   // Rows [n, n + 16) (four whole records) at columns [k, k + 32), in words[p] lane r word p
   // (bytes 4p..4p+3) of row r, then the rows' scales: a record's 128 bytes are two vectors,
   // two permutes of the pair and records::lanes_across put each row's words in place.
-  static constexpr bool kWhole = true;
   void whole(int64_t n, int64_t k, __m512i* words, float* steps, float*) const {
     // Lane p of t[j][h]: word 4h + p of each of record j's four rows.
     const __m512i across = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11,

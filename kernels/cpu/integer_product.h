@@ -31,8 +31,9 @@
 //   widen32(n, rows, r, k)      W[n + r, k:k+32] as 32 int16 in one vector (AVX-512),
 //   kSigned                     whether W's integers are signed (int8) or not (int4's nibbles),
 //   bytes32(n, rows, r, k)      W[n + r, k:k+32] as 32 bytes (AVX-512, for 8-bit x),
-//   kWhole                      whether it has whole(n, k, words, steps, mins): 16 rows' bytes at
-//                               once in Lanes' layout (AVX-512, for 8-bit x),
+//   whole(n, k, words, ...)     W[n:n+16, k:k+32] (four whole records) as bytes32 gives each row,
+//                               in Lanes' layout, with the rows' steps (and minimums) (AVX-512,
+//                               for 8-bit x),
 //   steps(n, rows, k)           the rows' scales at columns [k, k + 32), `rows` floats,
 //   mins(n, rows, k)            and their minimums (kMins formats).
 #pragma once
@@ -299,8 +300,8 @@ struct Lanes {
   void fill(const W& w, int64_t n, int64_t N) {
     static_assert(kLanes % kRows == 0, "a task's rows are whole records");
     const int64_t blocks = static_cast<int64_t>(steps.size()) / kLanes;
-    if constexpr (sizeof(Q) == 1 && W::kWhole) {
-      if (N - n >= kLanes) {
+    if constexpr (sizeof(Q) == 1) {
+      if (N - n >= kLanes) {  // a whole task: straight from its records
         for (int64_t b = 0; b < blocks; ++b)
           w.whole(n, b * kBlock, &words[b * kWords], &steps[b * kLanes], &mins[b * kLanes]);
         if constexpr (W::kSigned) starts(blocks);
