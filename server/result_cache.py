@@ -15,7 +15,7 @@ import msgspec
 
 from server.cache_store import MemoryStore, RedisStore, Store
 from server.generate import Piece
-from server.openai_types import ChatCompletionRequest
+from server.openai_types import COMPLETION_MAX_TOKENS, ChatCompletionRequest
 from server.translate import Body, stop_strings
 from surge import metrics
 from surge.config import ModelConfig, ResultCacheConfig
@@ -50,6 +50,9 @@ def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:
     fields["top_k"] = max(int(fields["top_k"]), 0)
     if isinstance(body, ChatCompletionRequest):  # the same limit under either name
         fields["max_tokens"] = fields.pop("max_completion_tokens") or fields["max_tokens"]
+        fields["parallel_tool_calls"] = body.parallel_tool_calls is not False
+    else:
+        fields["max_tokens"] = fields["max_tokens"] or COMPLETION_MAX_TOKENS
     return fields
 
 

@@ -158,6 +158,8 @@ def test_tenant_scope_and_endpoint_are_part_of_the_key():
     ({"stop": "x"}, {"stop": ["x"]}),
     ({}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # the defaults, spelled out
     ({"top_k": -1}, {"top_k": 0}),  # both: off
+    ({}, {"max_tokens": 16}),  # absent (or null): OpenAI's default
+    ({"max_tokens": None}, {"max_tokens": 16}),
 ])
 def test_spellings_of_one_request_share_a_key(same):
     base = {"prompt": "Hi", "seed": 3}
@@ -171,6 +173,9 @@ def test_chat_max_tokens_under_either_name_share_a_key():
         return cache_key(SCOPE, "chat", "t", body, DEFAULTS)
 
     assert key(max_tokens=7) == key(max_completion_tokens=7) != key(max_tokens=8)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert key(tools=tools) == key(tools=tools, parallel_tool_calls=True) != key(
+        tools=tools, parallel_tool_calls=False)
 
 
 def test_only_greedy_or_seeded_requests_are_deterministic():
