@@ -89,6 +89,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
 
     async def serve(rid: str, kind: type, raw: bytes) -> None:
         frontend.in_flight += 1
+        prompt_tokens = generated = 0  # what a cancel's done frame counts
         try:
             if frontend.draining:
                 raise draining_error()
@@ -102,10 +103,10 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                 raise ApiError(400, "tools are not available on the WebSocket; use the HTTP "
                                     "endpoint", param="tools")
             prompts, max_tokens, logprobs = await frontend.translator.prepare(body)
+            prompt_tokens = sum(len(p) for p in prompts)
             pieces, degraded = await frontend.run(body, f"ws-{uuid.uuid4().hex}", prompts,
                                                   max_tokens, logprobs, request[TENANT])
             reasons: dict[int, str | None] = {}
-            generated = 0
             async with aclosing(pieces) as stream:
                 async for piece in stream:
                     generated += piece.num_tokens
@@ -115,7 +116,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                     if piece.finish_reason:
                         reasons[piece.index] = piece.finish_reason
             done = {"type": "done", "id": rid, "finish_reason": reasons.get(0),
-                    "usage": usage(sum(len(p) for p in prompts), generated)}
+                    "usage": usage(prompt_tokens, generated)}
             if len(reasons) > 1:
                 done["finish_reasons"] = [reasons[i] for i in sorted(reasons)]
             if degraded:
@@ -124,15 +125,17 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         except ApiError as e:
             await error(rid, e.status, e.message, e.param, e.retry_after, e.code)
         except asyncio.CancelledError:
-            await send(cancelled(rid))
+            await send(cancelled(rid, prompt_tokens, generated))
         except Exception:
             log.exception("websocket request %s failed", rid)
             await error(rid, 500, "internal error; see the server log")
         finally:
             frontend.in_flight -= 1
 
-    def cancelled(rid: str) -> dict:
-        return {"type": "done", "id": rid, "finish_reason": "cancelled", "usage": None}
+    def cancelled(rid: str, prompt_tokens: int = 0, generated: int = 0) -> dict:
+        """A cancel's done frame, with what the request had used (nothing, if it never ran)."""
+        return {"type": "done", "id": rid, "finish_reason": "cancelled",
+                "usage": usage(prompt_tokens, generated)}
 
     def forget(rid: str, job: asyncio.Task) -> None:
         jobs.pop(rid, None)
