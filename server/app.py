@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -26,12 +24,13 @@ from server.openai_types import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.request_body import read_json
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
 from server.tools import tool_parsers
 from server.tracing import RequestTrace, Tracing
-from server.translate import Body, RequestTranslator, stop_strings
+from server.translate import Body, RequestTranslator, T, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
 from surge.config import ServerConfig
@@ -40,9 +39,6 @@ from surge.replica_stats import total
 
 log = logging.getLogger("surge.frontend")
 _json = msgspec.json.Encoder()
-_JSON = re.compile(r"application/(?:[\w.+-]+\+)?json")  # application/json, .../x+json
-# What aiohttp decodes (br and zstd where their modules are installed, else a 400 naming it).
-_ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
 
 
 class Frontend:
@@ -70,40 +66,18 @@ class Frontend:
 
     # ---- endpoints ----
 
-    async def read_body(self, request: web.Request) -> bytes:
-        """A JSON endpoint's body, refused before it is read where the request says what
-        surge would misread or ignore."""
-        if request.query:  # the parameters are the body's; a query would be ignored
-            raise ApiError(400, f"unknown query parameter(s) {', '.join(sorted(request.query))}"
-                                f"; this endpoint takes its parameters in the JSON body",
-                           param=sorted(request.query)[0])
-        # Only JSON (or no Content-Type): a browser sends text/plain and form bodies to another
-        # site without asking it first, which would let any web page run requests here.
-        if "Content-Type" in request.headers and not _JSON.fullmatch(request.content_type):
-            raise ApiError(415, f"Content-Type must be application/json, not "
-                                f"{request.content_type!r}")
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in _ENCODINGS:  # aiohttp passes an unknown one's bytes on undecoded
-            raise ApiError(415, f"Content-Encoding {encoding!r} is not supported; send the body "
-                                f"as {', '.join(_ENCODINGS)}")
-        # A declared length over the limit is refused at once, not after the body's timeout.
-        limit = request.app[MAX_BODY_BYTES]
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                actual_size=request.content_length)
-        try:
-            return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within "
-                                f"{self.cfg.body_timeout_s:g}s") from None
+    async def body_of(self, request: web.Request, kind: type[T]) -> T:
+        """The request's JSON body as `kind`, after request_body.read_json's checks."""
+        return self.translator.decode_body(await read_json(request, self.cfg.body_timeout_s),
+                                           kind)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = self.translator.decode_body(await self.read_body(request), CompletionRequest)
+        body = await self.body_of(request, CompletionRequest)
         return await self.respond(body, "completion", request[TENANT], request,
                                   *await self.translator.prepare(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = self.translator.decode_body(await self.read_body(request), ChatCompletionRequest)
+        body = await self.body_of(request, ChatCompletionRequest)
         return await self.respond(body, "chat", request[TENANT], request,
                                   *await self.translator.prepare(body))
 
@@ -265,14 +239,14 @@ class Frontend:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: the ids a prompt or a chat would be served with."""
-        body = self.translator.decode_body(await self.read_body(request), TokenizeRequest)
+        body = await self.body_of(request, TokenizeRequest)
         ids = await self.translator.tokenize(body)
         strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return self._json({"count": len(ids), "max_model_len": self.translator.max_model_len,
                            "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = self.translator.decode_body(await self.read_body(request), DetokenizeRequest)
+        body = await self.body_of(request, DetokenizeRequest)
         return self._json({"prompt": self.translator.detokenize(body)})
 
     async def version(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from server.batch_runner import ENDPOINTS, BatchRunner
 from server.batch_store import TERMINAL, BatchStore
 from server.context_keys import TENANT
 from server.errors import ApiError
+from server.request_body import check_query
 from server.webhooks import Webhooks
 from surge.config import BatchConfig
 
@@ -118,7 +119,7 @@ class BatchApi:
         return found
 
     async def list_files(self, request: web.Request) -> web.Response:
-        _check_query(request, {"purpose", "limit", "after", "order"})
+        check_query(request, {"purpose", "limit", "after", "order"})
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError(400, "order must be asc or desc (by creation)", param="order")
@@ -143,8 +144,7 @@ class BatchApi:
     # ---- batches ----
 
     async def create(self, request: web.Request) -> web.Response:
-        body = self.frontend.translator.decode_body(await self.frontend.read_body(request),
-                                                    BatchRequest)
+        body = await self.frontend.body_of(request, BatchRequest)
         tenant = request[TENANT]
         if body.endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}",
@@ -188,7 +188,7 @@ class BatchApi:
         return _json(self._batch(request))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        _check_query(request, {"limit", "after"})
+        check_query(request, {"limit", "after"})
         tenant = request[TENANT]
         after, limit = _page(request, 20, 100, lambda i: self.store.batch(tenant, i))
         return _list(*self.store.batches(tenant, after, limit))
@@ -234,12 +234,6 @@ def _check_jsonl(path: Path) -> None:
     if not found:
         raise ApiError(400, "the file holds no JSON object lines; a batch file is JSONL, one "
                             "request per line", param="file")
-
-
-def _check_query(request: web.Request, known: set[str]) -> None:
-    if unknown := sorted(set(request.query) - known):
-        raise ApiError(400, f"unknown query parameter(s) {', '.join(unknown)}; this list takes "
-                            f"{', '.join(sorted(known))}", param=unknown[0])
 
 
 def _page(request: web.Request, default: int, most: int,
