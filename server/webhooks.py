@@ -14,7 +14,6 @@ import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -22,7 +21,7 @@ from server.batch_store import BatchStore
 from server.errors import ApiError
 from surge import metrics
 from surge.config import BatchConfig, TenantConfig
-from surge.config_frontend import webhook_key
+from surge.config_frontend import is_http_url, webhook_key
 
 log = logging.getLogger("surge.webhooks")
 _MAX_BACKOFF_S = 3600.0
@@ -64,7 +63,7 @@ class Webhooks:
         if not self.tenant(tenant).webhook_from_metadata:
             raise ApiError(400, "metadata.webhook_url is not allowed for this tenant "
                                 "(webhook_from_metadata)", param="metadata")
-        if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+        if not is_http_url(url):
             raise ApiError(400, f"metadata.webhook_url {url!r} is not an http(s) URL",
                            param="metadata")
 

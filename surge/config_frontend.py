@@ -93,6 +93,12 @@ def webhook_key(secret: str) -> bytes:
     return key
 
 
+def is_http_url(url: str) -> bool:
+    """Whether a webhook receiver's URL can be posted to: http(s), with a host."""
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
 def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str | None:
     """What makes the tenants unusable with the Batch API, if anything (checked at start and
     on set): a webhook secret that signs nothing or a receiver that is not an http(s) URL, or
@@ -107,7 +113,7 @@ def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str
             except ValueError as e:
                 return f"tenants.{name}.webhook_secret: {e}"
         for url in tenant.webhook_urls.split():
-            if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+            if not is_http_url(url):
                 return f"tenants.{name}.webhook_urls: {url!r} is not an http(s) URL"
         if tenant.priority >= batch.batch_priority:
             return (f"tenants.{name}.priority={tenant.priority} is not below "
