@@ -39,6 +39,7 @@
 #pragma once
 
 #include "dequant_product.h"
+#include "records.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define SURGE_INTEGER_AVX2 1
@@ -270,14 +271,10 @@ inline void transpose(__m512i (&v)[kLanes]) {
     v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
   for (int c = 0; c < 4; ++c) {  // the 4 x 4 128-bit lanes of the quads, transposed
-    const __m512i a = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44);
-    const __m512i b = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE);
-    const __m512i d = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44);
-    const __m512i e = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
+    const __m512i quads[4] = {v[c], v[4 + c], v[8 + c], v[12 + c]};
+    __m512i across[4];
+    records::lanes_across(quads, across);
+    for (int p = 0; p < 4; ++p) t[4 * p + c] = across[p];
   }
   for (int p = 0; p < 16; ++p) v[p] = t[p];
 }
@@ -358,9 +355,9 @@ struct Lanes {
 
 // x [M, K] rounded a block at a time (round_block, integers Q) and laid out for the tiles: per
 // group of kXTile rows and per block, word p of row t at [p][t], and the rows' steps and sums
-// (step times the sum of q, for the minimums' term) at [t], so that a tile reads all its rows' broadcasts through one pointer
-// (eight row pointers, with their steps' and sums', spilled the registers). A last group's
-// missing rows are zeros.
+// (step times the sum of q, for the minimums' term) at [t], so that a tile reads all its
+// rows' broadcasts through one pointer (eight row pointers, with their steps' and sums',
+// spilled the registers). A last group's missing rows are zeros.
 template <typename Q>
 struct TiledX {
   static constexpr int64_t kWords = kBlock * sizeof(Q) / 4;  // a block's words a row: 16 or 8

@@ -73,8 +73,8 @@ inline at::Tensor pack(const at::Tensor& values, const std::vector<at::Tensor>& 
 
 #if defined(__AVX512F__)
 // The 4 x 4 128-bit lanes of t transposed: out[p] is lane p of t[0], t[1], t[2] and t[3] in
-// turn (a 16-row task's word p, from four records' vectors whose lane p holds it for the
-// record's four rows).
+// turn. The last step of putting 16 rows' words in lanes: four vectors whose lane p holds
+// word p of four rows each (a record's, or a quad's) give word p of all 16.
 inline void lanes_across(const __m512i (&t)[4], __m512i* out) {
   const __m512i a = _mm512_shuffle_i32x4(t[0], t[1], 0x44), b = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
   const __m512i c = _mm512_shuffle_i32x4(t[2], t[3], 0x44), d = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
