@@ -16,7 +16,7 @@ from pathlib import Path
 from server.app import Frontend
 from server.batch_lines import FileError, output_line, read_lines
 from server.batch_store import ACTIVE, TERMINAL, BatchStore
-from server.errors import ApiError, error_body
+from server.errors import ApiError, error_body, too_large
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.webhooks import Webhooks
 from surge import metrics
@@ -227,8 +227,7 @@ class BatchRunner:
         raw = request.encode()
         # The endpoint's own limit (its 413), before any decoding or tokenizing of the body.
         if len(raw) > (limit := self.frontend.cfg.max_body_bytes):
-            raise ApiError(413, f"request body is larger than the limit of {limit} bytes "
-                                f"({len(raw)}; --max-body-bytes)", param="body")
+            raise ApiError(413, too_large(limit), param="body")
         body = translator.decode_body(raw, kind_type)
         if body.stream:
             raise ApiError(400, "stream is not supported in a batch", param="stream")

@@ -47,6 +47,11 @@ def draining_error() -> ApiError:
                     retry_after=1.0)
 
 
+def too_large(limit: int) -> str:
+    """The 413's message, for a request body and for a batch line alike."""
+    return f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
     return web.json_response(error_body(status, message, param, code), status=status)
@@ -109,8 +114,7 @@ async def _answer(
             raise
         message = {404: f"no such path: {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}",
-                   413: f"request body is larger than the limit of "
-                        f"{request.app[MAX_BODY_BYTES]} bytes"}.get(e.status, e.reason)
+                   413: too_large(request.app[MAX_BODY_BYTES])}.get(e.status, e.reason)
         response = error_response(e.status, message)
         if e.status == 405 and "Allow" in e.headers:
             response.headers["Allow"] = e.headers["Allow"]

@@ -177,7 +177,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # Tool calling (server/tools.py)
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
-    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def many_tool_calls(self) -> bool:
+        """Whether an answer may hold several calls (parallel_tool_calls absent: yes, as OpenAI)."""
+        return self.parallel_tool_calls is not False
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -50,7 +50,7 @@ def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:
     fields["top_k"] = max(int(fields["top_k"]), 0)
     if isinstance(body, ChatCompletionRequest):  # the same limit under either name
         fields["max_tokens"] = fields.pop("max_completion_tokens") or fields["max_tokens"]
-        fields["parallel_tool_calls"] = body.parallel_tool_calls is not False
+        fields["parallel_tool_calls"] = body.many_tool_calls
     else:
         fields["max_tokens"] = fields["max_tokens"] or COMPLETION_MAX_TOKENS
     return fields

@@ -139,7 +139,7 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    many = body.parallel_tool_calls is not False and not isinstance(choice, ToolChoiceNamed)
+    many = body.many_tool_calls and not isinstance(choice, ToolChoiceNamed)
     fn = f'({" | ".join(f"fn{i}" for i in range(len(tools)))})'
     # (opening, call, separator, closing) of each format's answer
     opening, call, sep, closing = {
@@ -157,5 +157,5 @@ def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[T
     if not tools_on(body):
         return None
     names = [t.function.name for t in body.tools or []]
-    limit = 1 if body.parallel_tool_calls is False else None
+    limit = None if body.many_tool_calls else 1
     return [parser_for(fmt, names, limit, calls_forced(body)) for _ in range(n)]
