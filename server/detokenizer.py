@@ -21,12 +21,14 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
-        """Text added by new_token_ids; a character still incomplete waits for the next token
-        unless this is the final step."""
+        """Text added by new_token_ids; a character still incomplete waits for the next token,
+        and is dropped at the final step (an answer cut by max_tokens mid-character)."""
         self.ids.extend(new_token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or (full.endswith(_INCOMPLETE) and not final):
+        if final:
+            full = full.rstrip(_INCOMPLETE)
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix) :]

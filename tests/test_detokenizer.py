@@ -32,6 +32,16 @@ def test_multibyte_character_waits_for_its_last_token(tokenizer):
     assert detok.step([ids[-1]]) == "🚀"
 
 
+def test_a_character_cut_by_the_last_token_is_dropped(tokenizer):
+    """max_tokens may end an answer inside a character: its first bytes never show as U+FFFD."""
+    ids = tokenizer.encode("ok 🚀")
+    detok = Detokenizer(tokenizer.hf, [])
+    pieces = [detok.step([t]) for t in ids[:-2]] + [detok.step([ids[-2]], final=True)]
+    assert "".join(pieces) == "ok "
+    whole = Detokenizer(tokenizer.hf, [])
+    assert whole.step(ids[:-1], final=True) == "ok "
+
+
 def test_special_tokens_are_not_shown(tokenizer):
     detok = Detokenizer(tokenizer.hf, [])
     text = detok.step(tokenizer.encode("Paris.") + tokenizer.eos_token_ids, final=True)
