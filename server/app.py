@@ -155,7 +155,9 @@ class Frontend:
                 if parsers is not None:
                     parser = parsers[piece.index]
                     text, calls = parser.feed(piece.text, final=reason is not None)
-                    if reason == "stop" and parser.calls:
+                    # A stop string inside a call's arguments leaves them unfinished: no
+                    # "tool_calls" for a client to run them by.
+                    if reason == "stop" and parser.calls and not parser.cut:
                         reason = "tool_calls"
                 delta: dict = {"content": text} if text else {}
                 if calls:

@@ -33,6 +33,9 @@ def constraint_of(body: CompletionRequest | ChatCompletionRequest,
     form tool_choice's calls take."""
     found: list[Constraint] = []
     fmt = body.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise ApiError(400, f"response_format json_schema is for type json_schema, not "
+                            f"{fmt.type}", param="response_format.json_schema")
     if fmt is not None and fmt.type == "json_object":
         found.append(Constraint("json_schema", {"type": "object"}, "response_format"))
     elif fmt is not None and fmt.type == "json_schema":

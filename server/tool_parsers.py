@@ -136,6 +136,7 @@ class ToolParser:
         self.shown = False  # this stretch of content between calls has shown some text
         self.content = ""  # all the content given out so far
         self.calls: list[dict[str, Any]] = []  # as OpenAI's message.tool_calls
+        self.cut = False  # the answer ended inside a call's arguments
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(content to give out now, the calls' stream deltas)."""
@@ -298,6 +299,7 @@ class ToolParser:
         """At the end of the answer: what was held back for being undecided is content; a
         call cut short keeps the arguments it has (its finish_reason says length)."""
         committed = self.current is not None and self.current.call is not None
+        self.cut = self.state == "call" and committed
         if self.state in ("open", "raw") or (self.state == "call" and not committed):
             self._plain(out, self.text[self.call_from:], False)
         elif self.state == "start" or self.state == "list":

@@ -15,6 +15,7 @@ from typing import Any
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, TextPart, ToolChoiceNamed
 from server.tool_parsers import CLOSE, OPEN, ToolFormat, ToolParser, parser_for
+from surge.grammar import closed_objects
 
 _SYSTEM = (
     "You may call one or more functions to assist with the user query. You are provided with "
@@ -135,7 +136,7 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     for i, t in enumerate(tools):
         schema = {"type": "object", "properties": {
             "name": {"const": t.function.name},
-            fmt.arguments_key: t.function.parameters or _NO_PARAMETERS},
+            fmt.arguments_key: closed_objects(t.function.parameters or _NO_PARAMETERS)},
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")

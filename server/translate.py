@@ -88,7 +88,7 @@ class RequestTranslator:
                                     "logprobs are not computed)", param="echo")
             max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
             return await self._completion_prompts(body.prompt), max_tokens, body.logprobs
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 asks for nothing, as vLLM takes it
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return ([await self._chat_prompt(body)],

@@ -30,6 +30,38 @@ _REASONS = {"NoExtensionBias": "no token can continue the output (the constraint
                                "text here, e.g. a schema that no value satisfies)"}
 
 
+# Where a schema holds schemas: one, a map of them, a list of them (JSON Schema 2020-12).
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any, joined: bool = False) -> Any:
+    """The schema with every object that lists its `properties` and says nothing of others
+    closed to them, as vLLM's default engine (xgrammar) and OpenAI's strict mode generate;
+    `additionalProperties: true` keeps one open. allOf's members stay open (closed, each would
+    forbid the others' keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not joined and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, joined=True) for s in out["allOf"]]
+    return out
+
+
 class GrammarError(ValueError):
     """A constraint the engine cannot compile or does not fully support; the message says why."""
 
@@ -41,7 +73,8 @@ def compile_grammar(kind: str, spec: Any) -> str:
 
     try:
         if kind == "json_schema":
-            grammar = LLMatcher.grammar_from_json_schema(spec, overrides=_JSON_OPTIONS)
+            grammar = LLMatcher.grammar_from_json_schema(closed_objects(spec),
+                                                         overrides=_JSON_OPTIONS)
         elif kind == "lark":
             grammar = LLMatcher.grammar_from_lark(spec)
         elif kind == "choice":

@@ -14,7 +14,7 @@ from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.structured import constraint_of
 from surge.config import SchedulerConfig
-from surge.grammar import GrammarError, Matchers, compile_grammar, write_tokenizer
+from surge.grammar import GrammarError, Matchers, closed_objects, compile_grammar, write_tokenizer
 from surge.protocol import EngineRequest, SamplingParams, ScheduledSeq, SeqResult, StepResult
 
 VOCAB = 49152
@@ -29,6 +29,26 @@ VOCAB = 49152
 def test_compile_errors_say_what_is_wrong(kind, spec, says):
     with pytest.raises(GrammarError, match=says):
         compile_grammar(kind, spec)
+
+
+def test_objects_are_closed_unless_they_say_otherwise():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {
+        "properties": point,  # a property so named is a property, not a keyword
+        "free": {**point, "additionalProperties": True},
+        "list": {"type": "array", "items": point},
+        "either": {"anyOf": [point, {"type": "null"}]},
+        "both": {"allOf": [point, {"properties": {"y": {"type": "integer"}}}]}},
+        "$defs": {"p": point}}
+    shut = {**point, "additionalProperties": False}
+    assert closed_objects(schema) == {**schema, "additionalProperties": False, "properties": {
+        "properties": shut,
+        "free": {**point, "additionalProperties": True},
+        "list": {"type": "array", "items": shut},
+        "either": {"anyOf": [shut, {"type": "null"}]},
+        "both": schema["properties"]["both"]},  # allOf's members: closed, they would clash
+        "$defs": {"p": shut}}
+    assert point == {"type": "object", "properties": {"x": {"type": "integer"}}}  # not changed
 
 
 @pytest.fixture(scope="module")

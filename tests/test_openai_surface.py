@@ -318,6 +318,10 @@ def test_chat_bad_parameters(server):
     code, payload = server.post("/v1/chat/completions",
                           {"messages": CHAT[0], "top_logprobs": 2})
     assert code == 400 and payload["error"]["param"] == "top_logprobs"
+    # 0 asks for no alternatives: clients that always send it are not refused (as vLLM).
+    code, payload = server.post("/v1/chat/completions",
+                                {"messages": CHAT[0], "top_logprobs": 0, "max_tokens": 1})
+    assert code == 200 and payload["choices"][0]["logprobs"] is None, payload
     code, payload = server.post("/v1/chat/completions",
                           {"messages": [{**CHAT[0][0], "tool_calls": []}]})
     assert code == 400 and "tool_calls" in payload["error"]["message"], payload

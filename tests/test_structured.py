@@ -132,6 +132,22 @@ def test_chat_json_object_and_text(client):
     assert text.choices[0].message.content == free and not free.startswith("{")
 
 
+def test_an_object_that_does_not_open_itself_gets_only_its_properties(client):
+    """No additionalProperties: no keys beyond `properties` (vLLM's default engine and OpenAI's
+    strict mode); `true` leaves room for more, which this model then writes."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 6,
+                                                     "maximum": 999}}, "required": ["n"]}
+    answers = []
+    for extra in ({}, {"additionalProperties": True}):
+        answers.append(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Give me numbers as JSON."}],
+            max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": {
+                "name": "numbers", "schema": {**schema, **extra}}}).choices[0])
+    shut, free = answers
+    assert shut.finish_reason == "stop" and list(json.loads(shut.message.content)) == ["n"]
+    assert len(re.findall(r'"\w+": ', free.message.content)) > 1, free.message.content
+
+
 @pytest.mark.parametrize("field", ["response_format", "guided_json"])
 def test_completions_json_schema_and_guided_json(client, field):
     schema = SCHEMAS["enum"]
@@ -186,6 +202,8 @@ def test_guided_regex_choice_and_grammar(client, seed):
     ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
+    ({"response_format": {"type": "json_object", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {  # OpenAI's name pattern
         "name": "a b/c", "schema": {"type": "object"}}}}, "response_format"),
 ])
@@ -291,6 +309,22 @@ def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice)
     assert (assembled, content, reason) == (_raw(r.choices[0].message.tool_calls), "",
                                             "tool_calls")
     assert chunks > 2
+
+
+def test_a_stop_string_inside_the_arguments_is_no_tool_calls_finish(client):
+    """A call whose arguments a stop string cut is unfinished: finish_reason stop, not
+    tool_calls, whose clients would run it (streamed or not, it keeps what was written)."""
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                max_tokens=80)
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls[0]
+    city = json.loads(whole.function.arguments)["city"]
+    cut = client.chat.completions.create(**args, stop=[city]).choices[0]
+    written = whole.function.arguments[:whole.function.arguments.index(city)]
+    assert cut.finish_reason == "stop"
+    assert _raw(cut.message.tool_calls) == [("get_weather", written)]
+    assembled, content, reason, _ = streamed(client, **args, stop=[city])
+    assert (assembled, content, reason) == ([("get_weather", written)], "", "stop")
 
 
 def _literal(text: str) -> str:

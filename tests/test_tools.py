@@ -111,6 +111,17 @@ def test_parser_whole_in_every_two_piece_split_and_one_character_at_a_time(
         assert len({d["id"] for d in deltas if "id" in d}) == len(calls)
 
 
+@pytest.mark.parametrize(("text", "cut"), [
+    ('<tool_call>{"name": "get_weather", "arguments": {"ci', True),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}', False),
+    ('<tool_call>{"name": "get_wea', False),  # no call yet: content
+])
+def test_the_parser_says_when_the_answer_ended_inside_a_calls_arguments(text, cut):
+    parser = parser_for(HERMES, NAMES)
+    parser.feed(text, final=True)
+    assert parser.cut is cut
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text("ab{}[]\",:\\ \n<", max_size=6),
     lambda inner: st.lists(inner, max_size=3)
