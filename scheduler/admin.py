@@ -11,6 +11,7 @@ from surge.config import (
     SpeculativeConfig,
     SurgeConfig,
     live_values,
+    oversized,
     shown,
 )
 from surge.config_frontend import pools_problem, tenants_problem
@@ -54,7 +55,8 @@ def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> Su
     except msgspec.ValidationError as e:
         return f"invalid value: {e}"
     speculative: SpeculativeConfig = sections["speculative"]
-    if problem := speculative.problem() or tenants_problem(tables["tenants"], cfg.batch) or \
+    if problem := oversized({**sections, **tables}) or speculative.problem() or \
+            tenants_problem(tables["tenants"], cfg.batch) or \
             pools_problem(tables["pools"], cfg.model.data_parallel_size):
         return problem
     return msgspec.structs.replace(cfg, **sections, **tables)

@@ -75,7 +75,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions, as in vLLM
-    top_k: Annotated[int, Meta(ge=-1)] | None = None  # None: as top_p; else 0 (off)
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # None: as top_p; else 0 (off)
     min_p: Probability = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: Annotated[int, Meta(ge=0)] = 0

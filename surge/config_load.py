@@ -12,7 +12,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Meta
 
-from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig
+from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig, oversized
 from surge.config_frontend import pools_problem, tenants_problem
 
 
@@ -101,7 +101,8 @@ def load_config(
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid configuration: {e}") from e
-    if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch) or \
+    if problem := oversized(cfg) or cfg.speculative.problem() or \
+            tenants_problem(cfg.tenants, cfg.batch) or \
             pools_problem(cfg.pools, cfg.model.data_parallel_size):
         raise ConfigError(problem)
     return cfg

@@ -40,6 +40,7 @@ def test_env_config_path_and_bool_flags(tmp_path):
     (["--port", "70000"], {}, None, "port"),
     ([], {"SURGE_DTYPE": "int3"}, None, "dtype"),
     ([], {"SURGE_MAX_NUM_SEQS": "many"}, None, "max_num_seqs"),
+    ([], {"SURGE_MAX_NUM_SEQS": str(2**64)}, None, r"max_num_seqs = \d+ is out of range"),
     ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
     ([], {}, "[server]\nprot = 1\n", "prot"),
     ([], {}, "[server\n", "cannot read"),
@@ -131,5 +132,9 @@ def test_live_tenant_edits_are_checked_as_the_file_is():
     assert "batch_priority=100" in updated(cfg, {"tenants.bulk.priority": "100"})
     assert "webhook_secret" in updated(cfg, {"tenants.bulk.webhook_secret": "whsec_%%"})
     assert "webhook_urls" in updated(cfg, {"tenants.bulk.webhook_urls": "hook.example"})
+    # Past int64 the scheduler could not send its answer (it died, and surge with it).
+    assert "out of range" in updated(cfg, {"max_num_seqs": str(10**20)})
+    assert "tenants.bulk.max_concurrent" in updated(cfg,
+                                                   {"tenants.bulk.max_concurrent": str(10**20)})
     edited = updated(cfg, {"tenants.bulk.priority": "99"})
     assert not isinstance(edited, str) and edited.tenants["bulk"].priority == 99

@@ -285,6 +285,7 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi " * 2500}, "prompt"),
     ({"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias"),
     ({"prompt": "hi", "priority": 10**23}, "priority"),
+    ({"prompt": "hi", "top_k": 10**20}, "top_k"),  # past int64: it was a 500
     # Fields surge does not implement are refused by name, never ignored.
     ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}, "min_tokens": 2},
