@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -90,13 +91,24 @@ async def error_middleware(
 ) -> web.StreamResponse:
     """Every failure as an OpenAI error body; every request as one access-log line."""
     started = time.monotonic()
-    response = await _answer(request, handler)
-    route = request.match_info.route.resource
-    metrics.requests.labels(route.canonical if route else "unknown", str(response.status)).inc()
-    access.info("%s %s %d", request.method, request.path, response.status, extra={
-        "status": response.status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
-        "peer": request.remote, "tenant": request.get(TENANT)})
+    try:
+        response = await _answer(request, handler)
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when its client goes (handler_cancellation): still one
+        # line and one count, as nginx's 499 "client closed request".
+        _account(request, 499, started)
+        raise
+    _account(request, response.status, started)
     return response
+
+
+def _account(request: web.Request, status: int, started: float) -> None:
+    """A request's access line and its count in surge_requests_total."""
+    route = request.match_info.route.resource
+    metrics.requests.labels(route.canonical if route else "unknown", str(status)).inc()
+    access.info("%s %s %d", request.method, request.path, status, extra={
+        "status": status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
+        "peer": request.remote, "tenant": request.get(TENANT)})
 
 
 async def _answer(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import socket
 import time
 import urllib.error
@@ -265,6 +266,12 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats
     print(f"\n  16 dropped streams: scheduler empty {stats['time'] - closed:.2f}s after close")
     assert stats["time"] - closed <= 2.0
+    # Each is still counted once, as nginx's 499 "client closed request".
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    dropped = re.search(r'surge_requests_total\{endpoint="/v1/completions",status="499"\} '
+                        r'(\S+)', text)
+    assert dropped and float(dropped.group(1)) >= 16, text[:2000]
 
 
 # ---- the bad-input wall ----
