@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from server.context_keys import MAX_BODY_BYTES, TENANT
@@ -53,6 +55,17 @@ def too_large(limit: int) -> str:
     return f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
 
 
+# What aiohttp decodes here: br and zstd only where their modules are installed.
+ENCODINGS = ("identity", "gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + \
+    (("zstd",) if HAS_ZSTD else ())
+
+
+def unsupported_encoding(encoding: str) -> str:
+    """The 415's message for a Content-Encoding surge does not decode."""
+    return f"Content-Encoding {encoding!r} is not supported; send the body as " \
+           f"{', '.join(ENCODINGS)}"
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
     return web.json_response(error_body(status, message, param, code), status=status)
@@ -67,7 +80,12 @@ class ProtocolErrors(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if status != 400:  # a fault here, not the client's: aiohttp logs it with its trace
+        if isinstance(exc, ContentEncodingError):  # br or zstd, whose modules are missing
+            # The request here is a stand-in without headers; aiohttp's text names it: "(br)".
+            named = re.search(r"\((\w+)\)", str(exc))
+            response = error_response(415, unsupported_encoding(named[1] if named else "?"))
+            access.info("malformed request 415", extra={"status": 415, "peer": request.remote})
+        elif status != 400:  # a fault here, not the client's: aiohttp logs it with its trace
             super().handle_error(request, status, exc, message)
             response = error_response(status, "the server could not answer this request")
         else:  # a client's bad bytes: its access line, no traceback

@@ -9,11 +9,9 @@ import re
 from aiohttp import web
 
 from server.context_keys import MAX_BODY_BYTES
-from server.errors import ApiError
+from server.errors import ENCODINGS, ApiError, unsupported_encoding
 
 _JSON = re.compile(r"application/(?:[\w.+-]+\+)?json")  # application/json, .../x+json
-# What aiohttp decodes (br and zstd where their modules are installed, else a 400 naming it).
-_ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
 
 
 def check_query(request: web.Request, known: set[str]) -> None:
@@ -35,9 +33,8 @@ async def read_json(request: web.Request, timeout_s: float) -> bytes:
         raise ApiError(415, f"Content-Type must be application/json, not "
                             f"{request.content_type!r}")
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in _ENCODINGS:  # aiohttp passes an unknown one's bytes on undecoded
-        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported; send the body "
-                            f"as {', '.join(_ENCODINGS)}")
+    if encoding not in ENCODINGS:  # aiohttp passes an unknown one's bytes on undecoded
+        raise ApiError(415, unsupported_encoding(encoding))
     # A declared length over the limit is refused at once, not after the body's timeout.
     limit = request.app[MAX_BODY_BYTES]
     if request.content_length is not None and request.content_length > limit:
