@@ -286,8 +286,11 @@ class Frontend:
                    head: dict, choice: Callable[[Piece], dict], opening: list[dict],
                    first: list[Piece], prompt_tokens: int, body: Body,
                    headers: dict[str, str]) -> web.StreamResponse:
+        # X-Accel-Buffering: a proxy (nginx and those that follow it) passes each event on
+        # as it comes rather than in buffered lumps.
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache", **headers})
+                                               "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no", **headers})
         generated = 0
         options = body.stream_options
         running = options is not None and options.include_usage and options.continuous_usage_stats

@@ -39,6 +39,8 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
+    # OpenAI's 429s carry code rate_limit_exceeded, which some clients' retry logic reads.
+    code = code or ("rate_limit_exceeded" if status == 429 else None)
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
 

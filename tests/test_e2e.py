@@ -123,6 +123,7 @@ def test_sse_framing_and_done(server):
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
+        assert r.headers["X-Accel-Buffering"] == "no"  # proxies pass events on unbuffered
         raw = r.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"

@@ -39,6 +39,7 @@ def test_fanout_is_bounded_sent_as_one_message_and_admitted_as_a_unit(server):
     status, body = server.post("/v1/completions",
                                {"prompt": [[5, 6]] * 32, "n": 4, "max_tokens": 1})
     assert status == 429 and "requests_per_min" in body["error"]["message"], body
+    assert body["error"]["code"] == "rate_limit_exceeded"  # as OpenAI's: clients read it
     # ...so 12 choices still fit.
     status, body = server.post("/v1/completions", {"prompt": [[5, 6]] * 6, "n": 2, "max_tokens": 1})
     assert status == 200 and len(body["choices"]) == 12, body
