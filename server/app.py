@@ -28,7 +28,7 @@ from server.request_body import read_json
 from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
 from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
-from server.tools import tool_parsers
+from server.tools import calls_forced, tool_parsers
 from server.tracing import RequestTrace, Tracing
 from server.translate import Body, RequestTranslator, T, stop_strings
 from server.websocket import OpenSockets, stream_socket
@@ -171,8 +171,11 @@ class Frontend:
         if body.stream:
             assert request is not None, "a streamed answer needs its request"
             first = [Piece(i, echo[i], 0) for i in range(n) if echo[i]]
+            # An answer that can only be calls has no content: null, as OpenAI's (and as the
+            # non-streamed message says).
+            content = None if parsers is not None and calls_forced(body) else ""
             opening = [{**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
+                                                                   "content": content},
                                              "logprobs": None, "finish_reason": None}]}
                        for i in range(n)] if chat else []
             return await self._sse(request, rid, pieces, head, choice, opening, first,

@@ -309,6 +309,10 @@ def test_required_and_named_tool_calls_parse_and_stream_the_same(client, choice)
     assert (assembled, content, reason) == (_raw(r.choices[0].message.tool_calls), "",
                                             "tool_calls")
     assert chunks > 2
+    # Calls only: content null from the first chunk on, as OpenAI's stream and the message.
+    with client.chat.completions.create(**args, stream=True) as stream:
+        opening = next(iter(stream)).choices[0].delta
+    assert opening.role == "assistant" and opening.content is None
 
 
 def test_a_stop_string_inside_the_arguments_is_no_tool_calls_finish(client):
