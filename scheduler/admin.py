@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from surge.config import (
@@ -53,13 +55,25 @@ def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> Su
                 tables[table][name] = msgspec.convert({**base, **fields}, TABLES[table],
                                                       strict=False)
     except msgspec.ValidationError as e:
-        return f"invalid value: {e}"
+        return _invalid(str(e), values)
     speculative: SpeculativeConfig = sections["speculative"]
     if problem := oversized({**sections, **tables}) or speculative.problem() or \
             tenants_problem(tables["tenants"], cfg.batch) or \
             pools_problem(tables["pools"], cfg.model.data_parallel_size):
         return problem
     return msgspec.structs.replace(cfg, **sections, **tables)
+
+
+def _invalid(message: str, values: dict[str, str]) -> str:
+    """msgspec's complaint ("Expected `int` >= 1 - at `$.max_num_seqs`") about the key and
+    value as they were given."""
+    found = re.fullmatch(r"(.+) - at `\$\.(\w+)`", message)
+    if found is None:
+        return f"invalid value: {message}"
+    what, field = found.groups()
+    what = re.sub(r", got `\w+`$", "", what)  # every value given is text: `str`
+    key = next((k for k in values if k.rpartition(".")[2] == field), field)
+    return f"{key}={values.get(key, '')!r}: {what[0].lower()}{what[1:]}"
 
 
 def handle(request: AdminRequest, cfg: SurgeConfig, stats: EngineStats,

@@ -132,6 +132,10 @@ def test_live_tenant_edits_are_checked_as_the_file_is():
     assert "batch_priority=100" in updated(cfg, {"tenants.bulk.priority": "100"})
     assert "webhook_secret" in updated(cfg, {"tenants.bulk.webhook_secret": "whsec_%%"})
     assert "webhook_urls" in updated(cfg, {"tenants.bulk.webhook_urls": "hook.example"})
+    # A refusal names the key and the value as given, and what was expected.
+    assert updated(cfg, {"max_num_seqs": "2.5"}) == "max_num_seqs='2.5': expected `int`"
+    assert updated(cfg, {"tenants.bulk.priority": "x"}) == \
+        "tenants.bulk.priority='x': expected `int`"
     # Past int64 the scheduler could not send its answer (it died, and surge with it).
     assert "out of range" in updated(cfg, {"max_num_seqs": str(10**20)})
     assert "tenants.bulk.max_concurrent" in updated(cfg,
