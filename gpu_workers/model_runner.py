@@ -16,7 +16,7 @@ from gpu_workers.draft import DraftModel, shares_layers
 from gpu_workers.graphs import DecodeGraphs
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 from gpu_workers.pipeline import StageLink
-from gpu_workers.sampler import SamplingBatch, sample
+from gpu_workers.sampler import SamplingBatch, sample, token_logprobs
 from shm.staging import Staging
 from surge.grammar import Matchers
 from surge.protocol import (
@@ -29,6 +29,9 @@ from surge.protocol import (
     TokenLogprobs,
 )
 from surge.step_size import step_words
+
+# Rows of prompt logprobs scored at once: 256 x a 49k vocabulary is 50 MB of float32 logits.
+_SCORE_ROWS = 256
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -71,6 +74,9 @@ class Step(Struct, kw_only=True):
     sample_positions: list[int]
     sampling: SamplingBatch | None
     proposers: Proposers | None  # sequences the draft model proposes for after this step
+    # Prompts scored for their logprobs: (seq_id, its first row, the tokens its rows predict,
+    # top k).
+    scores: list[tuple[int, int, list[int], int]] = []
 
 
 class Proposers(Struct, kw_only=True):
@@ -95,6 +101,7 @@ class Launched(Struct, kw_only=True):
     drafts: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
 
 
 class ModelRunner:
@@ -234,7 +241,9 @@ class ModelRunner:
                     patch_from=stage.add(patch_from), logit_rows=stage.add(np.array(rows)),
                     picked=picked, first_row=first_row, sample_positions=sample_positions,
                     sampling=sampling, proposers=self._proposers(seqs, first_row, context,
-                                                                 all_tables))
+                                                                 all_tables),
+                    scores=[(s.seq_id, int(firsts[i]), s.scores, s.sampling.prompt_logprobs or 0)
+                            for i, s in enumerate(seqs) if s.scores])
         stage.send()
         return step
 
@@ -280,10 +289,11 @@ class ModelRunner:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
             return Launched(step=step, tokens=None)
+        scored = self._score(hidden, step.scores) if self.samples and step.scores else {}
         if not step.picked:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
-            return Launched(step=step, tokens=None)
+            return Launched(step=step, tokens=None, prompt_logprobs=scored)
         logprobs: list[TokenLogprobs | None] = []
         accepted = None
         if step.sampling is not None:  # rank 0 samples for the group
@@ -309,7 +319,7 @@ class ModelRunner:
         self.staging.release(step.slot)
         if self.device.type != "cuda":
             return Launched(step=step, tokens=tokens, accepted=accepted, drafts=drafts,
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_logprobs=scored)
         host = [None if t is None else t.to("cpu", non_blocking=True)
                 for t in (accepted, drafts)]
         tokens_host = self.host_tokens[: len(tokens)]
@@ -317,7 +327,23 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return Launched(step=step, tokens=tokens_host, accepted=host[0], drafts=host[1],
-                        ready=ready, logprobs=logprobs)
+                        ready=ready, logprobs=logprobs, prompt_logprobs=scored)
+
+    def _score(self, hidden: torch.Tensor, scores: list[tuple[int, int, list[int], int]]
+               ) -> dict[int, list[TokenLogprobs]]:
+        """Each scored prompt token's logprob at the row before it, and the top k there; the
+        LM head runs on a slice of rows at a time (a whole chunk's vocabulary-wide logits
+        would hold 4 x chunk x vocabulary bytes)."""
+        out: dict[int, list[TokenLogprobs]] = {}
+        for seq_id, first, targets, k in scores:
+            found: list[TokenLogprobs | None] = []
+            for at in range(0, len(targets), _SCORE_ROWS):
+                part = targets[at : at + _SCORE_ROWS]
+                logits = self.model.logits(hidden[first + at : first + at + len(part)])
+                found += token_logprobs(logits, torch.tensor(part, device=self.device),
+                                        [k] * len(part))
+            out[seq_id] = [lp for lp in found if lp is not None]
+        return out
 
     def _received(self, num_tokens: int) -> torch.Tensor | None:
         """The previous stage's [2, T, hidden] states for this step (None on the first)."""
@@ -348,8 +374,9 @@ class ModelRunner:
         if launched.ready is not None:
             launched.ready.synchronize()
         step = launched.step
-        if launched.tokens is None and self.link is not None:
-            return StepResult(step.plan.step_id, {})  # another rank reports this step
+        if launched.tokens is None and self.link is not None:  # another rank reports it,
+            # unless this one samples (a step that only scores prompts)
+            return StepResult(step.plan.step_id, {}, prompt_logprobs=launched.prompt_logprobs)
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
         accepted = None if launched.accepted is None else launched.accepted.tolist()
         logprobs = launched.logprobs
@@ -372,7 +399,7 @@ class ModelRunner:
             if self.matchers is not None:
                 self.matchers.advance(s.seq_id, tokens[rows])
                 seqs[s.seq_id].grammar_error = self.matchers.failed.pop(s.seq_id, None)
-        return StepResult(step.plan.step_id, seqs)
+        return StepResult(step.plan.step_id, seqs, prompt_logprobs=launched.prompt_logprobs)
 
     def _start_matchers(self, plan: StepPlan) -> None:
         """Matchers come and go in launch(), after the previous step's finish() advanced them."""

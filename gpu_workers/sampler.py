@@ -147,9 +147,10 @@ def _apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     return logits.index_add(0, rows, penalty)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
-              ) -> list[TokenLogprobs | None]:
-    """Log-probabilities under the model itself (before penalties, bias or temperature)."""
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, asks: list[int | None]
+                   ) -> list[TokenLogprobs | None]:
+    """Each row's token's log-probability under the model itself (before penalties, bias or
+    temperature) and its top k, where a row asks for them (k not None)."""
     rows = [i for i, k in enumerate(asks) if k is not None]
     if not rows:
         return []
@@ -194,4 +195,4 @@ def sample(logits: torch.Tensor, b: SamplingBatch, ops: kernels.Kernels = kernel
     tokens = greedy if picked is None else torch.where(picked >= 0, picked, greedy)
     if accepted is not None:
         tokens = torch.where(accepted, drafts, tokens)
-    return tokens, accepted, _logprobs(logits, tokens, b.logprobs)
+    return tokens, accepted, token_logprobs(logits, tokens, b.logprobs)

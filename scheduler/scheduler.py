@@ -233,7 +233,9 @@ class Scheduler(Intake, Preemption):
                 break
             if seq.num_pending:
                 continue  # preempted with a token still in flight: resume once it is known
-            hits = self.blocks.lookup(seq.token_ids)
+            # A prompt scored for its logprobs is computed whole.
+            hits = [] if seq.sampling.prompt_logprobs is not None else \
+                self.blocks.lookup(seq.token_ids)
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.allocate(seq, cached + n, hits):
@@ -320,6 +322,10 @@ class Scheduler(Intake, Preemption):
         params = seq.sampling
         # A computation starts with every output token known (see the num_pending checks).
         grammar = seq.grammar if not seq.grammar_sent else None
+        scores: list[int] = []  # the prompt tokens this chunk's rows predict
+        if params.prompt_logprobs is not None and \
+                len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+            scores = seq.token_ids[start + 1 : min(start + n + 1, seq.num_prompt_tokens)]
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tokens + drafts, start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=params, seed=seq.seed,
@@ -327,7 +333,8 @@ class Scheduler(Intake, Preemption):
             history=list(seq.token_ids) if sample and params.uses_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft=len(drafts), propose=propose,
             grammar=grammar,
-            grammar_tokens=seq.token_ids[seq.num_prompt_tokens:] if grammar else [])
+            grammar_tokens=seq.token_ids[seq.num_prompt_tokens:] if grammar else [],
+            scores=scores)
 
     def _commit(self, seq: Sequence, item: ScheduledSeq) -> None:
         """item is in the step: seq's tokens count as computed (its proposals' slots are
@@ -348,10 +355,14 @@ class Scheduler(Intake, Preemption):
         outputs = []
         now = self.clock()
         for item in plan.seqs:
+            seq = self.seqs.get(item.seq_id)
+            if item.scores and seq is not None and len(seq.prompt_logprobs) >= item.start_pos:
+                # A recomputed prompt is scored again: the positions already known are kept.
+                got = result.prompt_logprobs.get(item.seq_id, [])
+                seq.prompt_logprobs += got[len(seq.prompt_logprobs) - item.start_pos :]
             if not item.sample:
                 continue
             new = result.seqs[item.seq_id]
-            seq = self.seqs.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1
@@ -389,7 +400,9 @@ class Scheduler(Intake, Preemption):
             outputs.append(RequestOutput(
                 seq.request_id, tokens, reason, None, logprobs,
                 queued_s=(seq.first_scheduled or now) - seq.arrival_time if first else None,
-                cached_tokens=seq.cached_tokens if first else None))
+                cached_tokens=seq.cached_tokens if first else None,
+                prompt_logprobs=seq.prompt_logprobs
+                if first and seq.sampling.prompt_logprobs is not None else None))
         self.quarantine.served(plan, self.seqs)
         return outputs
 

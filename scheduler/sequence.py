@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 
 from scheduler.tenants import Tenant
-from surge.protocol import SamplingParams
+from surge.protocol import SamplingParams, TokenLogprobs
 
 
 class Status(Enum):
@@ -41,6 +41,8 @@ class Sequence:
         self.cached_tokens = 0  # of the prompt, found in the prefix cache when first scheduled
         self.grammar = grammar  # structured output (see ScheduledSeq.grammar)
         self.grammar_sent = False  # to the workers, for the computation under way
+        # With prompt logprobs: those scored so far (prompt position p's at p - 1).
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.status = Status.WAITING
         # Speculative decoding (see scheduler.speculation).
         self.draft: list[int] = []  # the draft model's proposals for the next step

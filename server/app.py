@@ -25,7 +25,14 @@ from server.openai_types import (
     TokenizeRequest,
 )
 from server.request_body import read_json
-from server.responses import TokenText, chat_logprobs, completion_logprobs, merge_logprobs, usage
+from server.responses import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echoed,
+    merge_logprobs,
+    usage,
+)
 from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
 from server.tools import calls_forced, tool_parsers
@@ -138,6 +145,13 @@ class Frontend:
         echo = [""] * n
         if not chat and body.echo:
             echo = [self.tokenizer.hf.decode(prompts[i // body.n]) for i in range(n)]
+            # With logprobs the prompt comes with its logprobs, in the choice's first piece.
+            scored = logprobs is not None
+            if scored or body.max_tokens == 0:
+                pieces = echoed(pieces, echo, [prompts[i // body.n] for i in range(n)], scored,
+                                shown=body.max_tokens != 0)
+            if scored:
+                echo = [""] * n
         offsets = [len(e) for e in echo]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.translator.model_name}

@@ -21,9 +21,11 @@ class Piece(Struct):
     num_tokens: int  # generated tokens this piece accounts for
     finish_reason: str | None = None
     token_ids: list[int] = []  # with logprobs: the tokens whose logprobs follow
-    logprobs: list[TokenLogprobs] = []
+    logprobs: list[TokenLogprobs | None] = []  # None: an echoed prompt's first token
     # On the piece after the first token, for traces: (seconds queued, prompt tokens cached).
     timing: tuple[float, int] | None = None
+    # On the same piece, when asked for: the prompt's logprobs (its tokens after the first).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def refusal(out: RequestOutput) -> ApiError:
@@ -65,6 +67,7 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
     held_logprobs: list[TokenLogprobs] = []
     generated = 0
     timing: tuple[float, int] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     try:
         while not finished:
             out = await stream.get()
@@ -74,6 +77,8 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
             reason = out.finish_reason
             if out.queued_s is not None:
                 timing = (out.queued_s, out.cached_tokens or 0)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             shown = out.new_token_ids
             if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
                 shown = shown[:-1]  # the stop token itself is not part of the text
@@ -91,8 +96,10 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
                 held_ids += out.new_token_ids
                 held_logprobs += out.logprobs
             if text or finished:
-                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs, timing)
+                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs, timing,
+                            prompt_logprobs)
                 uncounted, held_ids, held_logprobs, timing = 0, [], [], None
+                prompt_logprobs = None
     finally:
         if not finished:
             engine.abort(request_id)

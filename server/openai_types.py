@@ -100,8 +100,9 @@ class CompletionRequest(_Common, kw_only=True):
     # A string, a list of token ids, or a batch of either.
     prompt: str | list[str | TokenId | list[TokenId]]
     # Absent or null: COMPLETION_MAX_TOKENS, OpenAI's default (vLLM reads null as "what the
-    # context allows", with which one request could hold a slot for minutes).
-    max_tokens: MaxTokens | None = None
+    # context allows", with which one request could hold a slot for minutes). 0: with echo,
+    # the prompt alone.
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
     # Only best_of == n: surge does not rank extra candidates (a larger one is refused).

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from server.generate import Piece
 
@@ -71,14 +74,33 @@ def completion_logprobs(piece: Piece, token_text: TokenText, offset: int) -> dic
         complete += len(characters.decode(own))
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in piece.logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in piece.logprobs],
         # As OpenAI: the top k and the sampled token, whether or not it is among them.
-        "top_logprobs": [{token_text(t)[0]: lp.logprob,
+        "top_logprobs": [None if lp is None else
+                         {token_text(t)[0]: lp.logprob,
                           **{token_text(i)[0]: v for i, v in zip(lp.top_ids, lp.top_logprobs,
                                                                  strict=True)}}
                          for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)],
         "text_offset": offsets,
     }
+
+
+async def echoed(pieces: AsyncIterator[Piece], echo: list[str], prompts: list[list[int]],
+                 scored: bool, shown: bool) -> AsyncIterator[Piece]:
+    """Completions' echo past the plain case. scored (echo with logprobs): each choice's first
+    piece gets its prompt in front, with the prompt's logprobs (its first token has none).
+    Not shown (max_tokens 0): the one token computed for the prompt's sake is left out."""
+    async for piece in pieces:
+        if not shown:
+            piece = msgspec.structs.replace(piece, text="", num_tokens=0, token_ids=[],
+                                            logprobs=[], finish_reason=piece.finish_reason
+                                            and "length")
+        if scored and piece.prompt_logprobs is not None:
+            piece = msgspec.structs.replace(
+                piece, text=echo[piece.index] + piece.text,
+                token_ids=prompts[piece.index] + piece.token_ids,
+                logprobs=[None, *piece.prompt_logprobs, *piece.logprobs], prompt_logprobs=None)
+        yield piece
 
 
 def chat_logprobs(piece: Piece, token_text: TokenText) -> dict:

@@ -83,10 +83,13 @@ class RequestTranslator:
                 raise ApiError(400, f"best_of ({body.best_of}) other than n ({body.n}) is not "
                                     f"supported: surge does not rank candidates",
                                param="best_of")
-            if body.echo and body.logprobs is not None:
-                raise ApiError(400, "echo together with logprobs is not supported (prompt "
-                                    "logprobs are not computed)", param="echo")
+            if body.max_tokens == 0 and not body.echo:
+                raise ApiError(400, "max_tokens 0 is for echo (the prompt alone, with its "
+                                    "logprobs); give at least 1", param="max_tokens")
             max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+            # max_tokens 0: one token is computed (the prompt's logprobs come with the first),
+            # and not shown (server.responses.echoed).
+            max_tokens = max(max_tokens, 1)
             return await self._completion_prompts(body.prompt), max_tokens, body.logprobs
         if body.top_logprobs and not body.logprobs:  # 0 asks for nothing, as vLLM takes it
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -263,7 +266,9 @@ class RequestTranslator:
             top_k=max(int(_given(body.top_k, defaults.get("top_k", 0))), 0), min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,
-            min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops)
+            min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops,
+            prompt_logprobs=logprobs if isinstance(body, CompletionRequest) and body.echo
+            else None)
 
 
 def _given(value: float | None, default: float) -> float:

@@ -30,6 +30,9 @@ class SamplingParams(Struct, kw_only=True, array_like=True):
     seed: int | None = None
     # The frontend folds EOS in here unless ignore_eos, so the scheduler needs no tokenizer.
     stop_token_ids: list[int] = []
+    # None: off; k: each prompt token's logprob (the first's excepted) and the top k there, for
+    # completions' echo with logprobs. Such a prompt is computed whole, not from the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -98,6 +101,8 @@ class RequestOutput(Struct, array_like=True):
     # and the prompt tokens the prefix cache held.
     queued_s: float | None = None
     cached_tokens: int | None = None
+    # On the first output with tokens, when asked for: the prompt's tokens after its first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineOutputs(Struct, tag=True):
@@ -217,6 +222,9 @@ class ScheduledSeq(Struct, array_like=True):
     # worker's new matcher consumes first. The worker keeps the matcher until `released`.
     grammar: str | None = None
     grammar_tokens: list[int] = []
+    # With prompt logprobs: the prompt tokens this chunk's rows predict, row by row from its
+    # first (the next chunk's first token too), which the sampling rank scores.
+    scores: list[int] = []
 
 
 class StepPlan(Struct, tag=True):
@@ -260,6 +268,8 @@ class StepResult(Struct, tag=True):
     compute_s: float = 0.0  # the worker's time on this step
     forward_s: float = 0.0  # of which the model forward (see ModelRunner.forward_s)
     wait_s: float = 0.0  # how long the worker waited for this plan after the previous step
+    # The `scores` of the plan's sequences: one per token, by seq_id.
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
 
 
 class WorkerFailed(Struct, tag=True):

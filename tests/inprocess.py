@@ -33,6 +33,7 @@ class InProcessEngine:
         self.depth = depth
         self.step_times: list[tuple[float, list[str]]] = []  # (seconds, requests decoding)
         self.peak_blocks = 0  # the most KV blocks held at once
+        self.prompt_logprobs: dict[str, list] = {}  # by request, where asked for
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *,
             temperature: float = 0.0, seed: int | None = None,
@@ -69,4 +70,6 @@ class InProcessEngine:
             if plan is None or len(inflight) >= depth:
                 for out in self.scheduler.update(*inflight.popleft()):
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs[out.request_id] = out.prompt_logprobs
         return tokens

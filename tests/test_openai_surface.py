@@ -105,6 +105,34 @@ def test_logprobs_match_the_reference(client, tokenizer, reference):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0): the prompt alone, each
+    token's logprob after the first (the first has none), streamed or not."""
+    prompt = tokenizer.encode(RAW[0])
+    ref = reference.log_probs(prompt)
+    args = dict(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    r = client.completions.create(**args)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == tokenizer.hf.decode(prompt) and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(prompt)
+    assert lp.tokens == [tokenizer.hf.decode([t]) for t in prompt] and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=1e-3)
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])  # the top 2 and the token
+    # With tokens generated after it, streamed: the prompt and its logprobs come first.
+    chunks = [c.choices[0] for c in client.completions.create(
+        **{**args, "max_tokens": 4, "temperature": 0, "stream": True})]
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    values = [v for c in chunks for v in c.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks).startswith(choice.text)
+    assert tokens[: len(prompt)] == lp.tokens and len(tokens) == len(prompt) + 4
+    assert values[0] is None and values[1 : len(prompt)] == pytest.approx(lp.token_logprobs[1:])
+    # echo and max_tokens 0 without logprobs: the prompt alone.
+    bare = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0)
+    assert bare.choices[0].text == choice.text and bare.usage.completion_tokens == 0
+
+
 def test_logprobs_of_tokens_that_split_characters(client):
     """Emoji and CJK come in byte pieces: each token and candidate carries its own bytes
     (chat), distinct candidates stay distinct, and completion offsets point into the text."""
@@ -285,7 +313,7 @@ def test_dropped_streams_are_aborted_and_blocks_freed(server):
     ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 is for echo
     ({"prompt": "hi", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
     ({"prompt": "hi", "seed": "x"}, "seed"),
