@@ -27,6 +27,7 @@ from server.openai_types import (
 from server.request_body import read_json
 from server.responses import (
     TokenText,
+    cached_of,
     chat_logprobs,
     completion_logprobs,
     echoed,
@@ -197,12 +198,14 @@ class Frontend:
         texts: list[list[str]] = [[e] for e in echo]
         reasons: list[str | None] = [None] * n
         counts = [0] * n
+        cached = 0
         lps: list[list[dict]] = [[] for _ in range(n)]
         async with aclosing(pieces) as stream:
             async for piece in stream:
                 c = choice(piece)
                 texts[piece.index].append(piece.text)
                 counts[piece.index] += piece.num_tokens
+                cached += cached_of(piece, body.n)
                 reasons[piece.index] = c["finish_reason"] or reasons[piece.index]
                 if c["logprobs"]:
                     lps[piece.index].append(c["logprobs"])
@@ -220,7 +223,8 @@ class Frontend:
             choices.append({"index": i, **out, "logprobs": merge_logprobs(lps[i]),
                             "finish_reason": reasons[i]})
         return self._json({**head, "object": "chat.completion" if chat else "text_completion",
-                           "choices": choices, "usage": usage(prompt_tokens, sum(counts))},
+                           "choices": choices,
+                           "usage": usage(prompt_tokens, sum(counts), cached)},
                           headers)
 
     async def _cached_or_run(self, tenant: str, headers: Any, body: Body, kind: str, rid: str,
@@ -308,12 +312,12 @@ class Frontend:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no", **headers})
-        generated = 0
+        generated = cached = 0
         options = body.stream_options
         running = options is not None and options.include_usage and options.continuous_usage_stats
 
         def event(chunk: dict) -> bytes:
-            return _event({**chunk, "usage": usage(prompt_tokens, generated)} if running
+            return _event({**chunk, "usage": usage(prompt_tokens, generated, cached)} if running
                           else chunk)
 
         try:
@@ -325,6 +329,7 @@ class Frontend:
             async with aclosing(pieces) as stream:
                 async for piece in stream:
                     generated += piece.num_tokens
+                    cached += cached_of(piece, body.n)
                     c = choice(piece)
                     # Nothing to show (text held back: a character or a tool call not yet
                     # complete) is no chunk, as vLLM sends none.
@@ -332,7 +337,8 @@ class Frontend:
                         await response.write(event({**head, "choices": [c]}))
             if options and options.include_usage:
                 await response.write(_event({**head, "choices": [],
-                                             "usage": usage(prompt_tokens, generated)}))
+                                             "usage": usage(prompt_tokens, generated,
+                                                            cached)}))
         except ApiError as e:
             await response.write(_event(error_body(e.status, e.message)))
         except ConnectionResetError:

@@ -125,6 +125,17 @@ def merge_logprobs(parts: list[dict]) -> dict | None:
     return merged
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt tokens the prefix cache held (None: not
+    known here, left out)."""
+    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_of(piece: Piece, n: int) -> int:
+    """The prompt tokens the prefix cache held, from a choice's piece that says so: once a
+    prompt (its first choice's), as usage counts each prompt's tokens once."""
+    return piece.timing[1] if piece.timing is not None and piece.index % n == 0 else 0

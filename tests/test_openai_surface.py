@@ -70,6 +70,20 @@ def test_stop_string_with_multibyte_text(client, prompt):
     assert "\ufffd" not in streamed
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client):
+    args = dict(model=MODEL, prompt=RAW[0] * 12, max_tokens=2, temperature=0)
+    client.completions.create(**args)
+    again = client.completions.create(**args).usage
+    assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+    streamed = [c for c in client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True})][-1].usage
+    assert streamed.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+    # n choices of one prompt: its tokens and the cache's share of them counted once.
+    both = client.completions.create(**args, n=2).usage
+    assert both.prompt_tokens == again.prompt_tokens
+    assert both.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+
+
 def test_n_choices_with_seed(client):
     args = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3, seed=7,
                 temperature=1.0)
