@@ -39,6 +39,9 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
         import torch
 
         devices = [str(i) for i in range(torch.cuda.device_count())]
+    if not devices:
+        raise ConfigError("--device cuda: no GPU is visible here (check nvidia-smi and "
+                          "CUDA_VISIBLE_DEVICES); use --device cpu, or auto")
     others = cfg.data_parallel_size * cfg.pipeline_parallel_size
     size = cfg.tensor_parallel_size or max(1, len(devices) // others)
     if size * others > len(devices):

@@ -17,15 +17,15 @@ import msgspec
 import torch
 from torch import nn
 
+from gpu_workers.families import too_many_layers
 from gpu_workers.llama import AttentionMetadata, LlamaModel
 
 
 def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
     """model's first num_layers layers with its embedding, final norm and head: the same
     weights, not a copy."""
-    if not 0 < num_layers <= model.cfg.num_layers:
-        raise ValueError(f"draft_layers={num_layers}: the draft has {model.cfg.num_layers} "
-                         f"layers; give 1 to {model.cfg.num_layers} (0: all)")
+    if problem := too_many_layers(num_layers, model.cfg.num_layers):
+        raise ValueError(problem)
     with torch.device("meta"):
         draft = LlamaModel(msgspec.structs.replace(model.cfg, num_layers=num_layers), model.tp)
     draft.embed, draft.norm, draft.lm_head = model.embed, model.norm, model.lm_head

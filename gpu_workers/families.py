@@ -88,6 +88,23 @@ def architecture(files: ModelFiles) -> str:
     return arch
 
 
+def unsplit(total: int, size: int, what: str) -> str | None:
+    """Why `total` heads or columns do not split evenly over `size` tensor-parallel ranks (None:
+    they do); the supervisor asks before any worker starts, each rank as it loads."""
+    if total % size:
+        return (f"{what} ({total}) do not split evenly over --tensor-parallel-size {size}; "
+                f"pick a size that divides it")
+    return None
+
+
+def too_many_layers(draft_layers: int, num_layers: int) -> str | None:
+    """Why --draft-layers cannot cut the model (None: it can)."""
+    if not 0 < draft_layers <= num_layers:
+        return (f"--draft-layers {draft_layers}: the model has {num_layers} layers; give 1 to "
+                f"{num_layers} (0: all)")
+    return None
+
+
 def read_family(files: ModelFiles) -> Family:
     arch = architecture(files)
     if files.gguf_file:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from msgspec import Struct
 
+from gpu_workers.families import unsplit
 from gpu_workers.pipeline import PipelineStage
 
 
@@ -30,9 +31,8 @@ class TensorParallel(Struct, frozen=True):
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` heads or columns, which must divide evenly."""
-        if total % self.size:
-            raise ValueError(f"{what} ({total}) do not split evenly over "
-                             f"--tensor-parallel-size {self.size}; pick a size that divides it")
+        if problem := unsplit(total, self.size, what):
+            raise ValueError(problem)
         return total // self.size
 
     def kv_heads(self, total: int) -> tuple[int, int]:

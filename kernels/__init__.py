@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,8 +25,7 @@ from kernels.matmul import int4_linear, int8_linear, linear
 from kernels.moe import fused_moe
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_, rotary_angles, rotary_cache
-
-BACKENDS = ("auto", "reference", "cpu", "triton")
+from surge.kernel_choice import refused
 
 
 @dataclass(frozen=True)
@@ -105,27 +103,16 @@ REFERENCE = backend("reference", "the default before a worker picks")
 
 def for_device(device: torch.device, choice: str = "auto", deterministic: bool = False
                ) -> Kernels:
-    """The backend for a device: choice is one of BACKENDS (--kernel-backend); deterministic:
-    --deterministic, whose batch-invariant steps the C++ products would break (one row and
-    several sum in different orders)."""
-    if choice not in BACKENDS:
-        raise ValueError(f"kernel backend {choice!r}: use one of {', '.join(BACKENDS)}")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if choice == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError("the triton kernel backend needs CUDA (or TRITON_INTERPRET=1 to run it "
-                         "in Triton's slow interpreter); use --kernel-backend reference")
+    """The backend for a device: choice is --kernel-backend (surge.kernel_choice says which it
+    refuses); deterministic: --deterministic."""
+    if problem := refused(choice, device.type, deterministic):
+        raise ValueError(problem)
     why = "--kernel-backend" if choice != "auto" else f"auto on {device.type}"
     if choice == "reference":
         return backend("reference", why)
     if deterministic and device.type == "cpu":
-        if choice == "cpu":
-            raise ValueError("--deterministic needs products whose result does not depend on "
-                             "the batch, which the cpu kernel backend's do; drop "
-                             "--kernel-backend cpu (auto then takes the reference)")
         return backend("reference", f"{why} with --deterministic: batch-invariant products")
     if device.type == "cuda":
-        if choice == "cpu":
-            raise ValueError("the cpu kernel backend runs on the CPU; use --kernel-backend auto")
         return backend("triton", why)
     if choice == "triton":  # Triton's interpreter on the CPU, for its tests
         return backend("triton", why)
@@ -142,7 +129,6 @@ def for_device(device: torch.device, choice: str = "auto", deterministic: bool =
 
 
 __all__ = [
-    "BACKENDS",
     "REFERENCE",
     "Kernels",
     "add_rms_norm",

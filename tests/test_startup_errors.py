@@ -35,9 +35,24 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
     (["--kv-cache-memory", "4096"], "for a size add a unit (e.g. 4096MiB)"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--tokenizer", "/no/such/folder"], "--tokenizer"),
+    # These were found only by the workers, as a traceback and exit code 1.
+    (["--kv-cache-memory", "10TiB"], "is more than this machine's memory"),
+    (["--deterministic", "--kernel-backend", "cpu"], "drop --kernel-backend cpu"),
+    (["--speculative-method", "draft", "--draft-layers", "999"],
+     "--draft-layers 999: the model has 30 layers"),
+    (["--tensor-parallel-size", "2"], "attention heads (9) do not split evenly"),
+    (["--device", "cuda"], "--device cuda: no GPU is visible here"),  # named the wrong flag
+    (["--speculative-method", "draft", "--draft-model", "/no/draft.gguf"],
+     "--draft-model '/no/draft.gguf': no such file"),
 ])
 def test_mistake_is_one_line_with_exit_code_2(args, expected):
     assert expected in _one_line_error(_serve("--port", str(free_port()), *args))
+
+
+def test_triton_kernels_on_the_cpu_are_refused_outside_the_interpreter():
+    out = _serve("--port", str(free_port()), "--kernel-backend", "triton",
+                 env={"TRITON_INTERPRET": "0"})  # the tests' own Triton runs interpreted
+    assert "the triton kernel backend needs CUDA" in _one_line_error(out)
 
 
 def test_port_in_use():
