@@ -40,7 +40,10 @@ def parse_line(text: str, endpoint: str) -> tuple[str | None, str]:
     if not isinstance(line, dict):
         raise LineError("invalid_json", "the line is not a JSON object")
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
+    if custom_id is not None and not isinstance(custom_id, str):
+        raise LineError("invalid_custom_id", f"custom_id must be a string, not "
+                                             f"{json.dumps(custom_id)}")
+    if not custom_id:
         raise LineError("missing_custom_id", "custom_id must be a non-empty string")
     try:
         if unknown := sorted(set(line) - _LINE_KEYS):

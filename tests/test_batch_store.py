@@ -71,6 +71,7 @@ def test_retention_removes_ended_batches_and_old_files_not_in_use(tmp_path):
 def test_bad_lines_each_get_a_reason(tmp_path):
     good = {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"messages": []}}
     lines = ["{oops", "[1, 2]", json.dumps({**good, "custom_id": ""}),
+             json.dumps({**good, "custom_id": 123}),
              json.dumps({**good, "custom_id": "m", "method": "GET"}),
              json.dumps({**good, "custom_id": "u", "url": "/v1/completions"}),
              json.dumps({**good, "custom_id": "x", "extra": 1}),
@@ -79,9 +80,9 @@ def test_bad_lines_each_get_a_reason(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     rows = read_lines(path, "batch_1", CHAT, 100)
     codes = [json.loads(r[4])["error"]["code"] if r[2] == "failed" else "ok" for r in rows]
-    assert codes == ["invalid_json", "invalid_json", "missing_custom_id", "invalid_method",
-                     "invalid_url", "invalid_request", "invalid_body", "ok"]
-    assert [r[0] for r in rows][-1] == 9  # numbered as in the file, blank lines too
+    assert codes == ["invalid_json", "invalid_json", "missing_custom_id", "invalid_custom_id",
+                     "invalid_method", "invalid_url", "invalid_request", "invalid_body", "ok"]
+    assert [r[0] for r in rows][-1] == 10  # numbered as in the file, blank lines too
     with pytest.raises(FileError, match="more than 3 lines") as e:
         read_lines(path, "batch_1", CHAT, 3)
     assert (e.value.code, e.value.line) == ("too_many_lines", 4)
