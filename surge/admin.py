@@ -21,6 +21,8 @@ from surge.replica_stats import total
 from surge.runtime import admin_addresses, find_server, recorded, supervisor_pid
 
 _TIMEOUT_MS = 10_000
+# How long `admin reload` waits for the supervisor to record how the reload went.
+_RELOAD_WAIT_S = 15.0
 
 
 def ask(address: str, command: str, values: dict[str, str] | None = None) -> AdminReply:
@@ -279,6 +281,24 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reload_outcome(runtime_dir: str, before: str | None) -> int:
+    """Wait for the supervisor to record the reload it was signalled for, and say how it went."""
+    deadline = time.monotonic() + _RELOAD_WAIT_S
+    while (now := recorded(runtime_dir, "reload")) == before:
+        if time.monotonic() > deadline:
+            print(f"surge admin: reload signalled, but no outcome within {_RELOAD_WAIT_S:.0f}s; "
+                  "see the server log", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    outcome = json.loads(now or "{}")
+    if not outcome.get("ok"):
+        print(f"surge admin: reload refused, nothing changed: {outcome.get('message')}",
+              file=sys.stderr)
+        return 1
+    print("reloaded")
+    return 0
+
+
 def run_admin(args: argparse.Namespace) -> int:
     if args.action == "keys":
         return run_keys(args)
@@ -291,12 +311,15 @@ def run_admin(args: argparse.Namespace) -> int:
     if args.action in ("reload", "drain"):
         try:
             pid = supervisor_pid(runtime_dir)  # checked again: it may have exited since
+            before = recorded(runtime_dir, "reload")
         except LookupError as e:
             print(f"surge admin: {e}", file=sys.stderr)
             return 2
         os.kill(pid, signal.SIGHUP if args.action == "reload" else signal.SIGTERM)
-        print(f"{args.action}: signalled surge (pid {pid})")
-        return 0
+        if args.action == "drain":
+            print(f"drain: signalled surge (pid {pid})")
+            return 0
+        return _reload_outcome(runtime_dir, before)
     if args.action == "stats":
         print(_summary(runtime_dir))
         return 0

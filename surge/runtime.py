@@ -13,6 +13,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import time
 
 import msgspec
 from msgspec import Struct
@@ -138,6 +139,14 @@ def recorded(runtime_dir: str, name: str) -> str | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
             raise Untrusted(f"not trusting {path}: not a regular file of uid {owner}")
         return f.read()
+
+
+def record_reload(runtime_dir: str, ok: bool, message: str) -> None:
+    """A reload's outcome, for `surge admin reload` to wait for (written whole, then renamed
+    into place, so a reader never sees half of it)."""
+    _record(runtime_dir, "reload.new", msgspec.json.encode(
+        {"at": time.time_ns(), "ok": ok, "message": message}).decode())
+    os.replace(os.path.join(runtime_dir, "reload.new"), os.path.join(runtime_dir, "reload"))
 
 
 def admin_addresses(runtime_dir: str) -> list[str]:

@@ -21,7 +21,7 @@ from surge.config import SurgeConfig, flatten
 from surge.log import announce, setup_logging
 from surge.process import title
 from surge.protocol import WorkerFailed, encode
-from surge.runtime import Channels
+from surge.runtime import Channels, record_reload
 from surge.systemd_notify import notify, watchdog_interval
 
 log = logging.getLogger("surge.supervisor")
@@ -225,16 +225,22 @@ class Supervisor:
         try:
             new = load_config(self.flags)
         except ConfigError as e:
-            log.error("reload refused, nothing changed: %s", e)
+            self._reloaded(False, str(e))
             return
         reply = ask_all([r.channels.admin for r in self.replicas], "reload", flatten(new))
         if reply.ok:
-            log.info("reloaded: %s", reply.values)
             self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
                                                speculative=new.speculative,
                                                tenants=new.tenants)
+        self._reloaded(reply.ok, str(reply.values) if reply.ok else reply.message)
+
+    def _reloaded(self, ok: bool, message: str) -> None:
+        """A reload's outcome: in the log, and for `surge admin reload` to report."""
+        if ok:
+            log.info("reloaded: %s", message)
         else:
-            log.error("reload refused, nothing changed: %s", reply.message)
+            log.error("reload refused, nothing changed: %s", message)
+        record_reload(self.channels.runtime_dir, ok, message)
 
     def _tell_scheduler(self, dead: BaseProcess, fatal: bool) -> None:
         """A worker killed outright says nothing itself: say it for it."""

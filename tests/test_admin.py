@@ -84,14 +84,17 @@ def test_admin_round_trip(tmp_path):
         assert _admin(env, port, "set", "tenants.passing.weight=3")[0] == 0
         config.write_text("[scheduler]\nmax_num_seqs = 5\nbatch_wait_ms = 3\n"
                           "[tenants.kept]\nweight = 2\n")
+        # It waits for the outcome: applied when it returns.
         assert _admin(env, port, "reload")[0] == 0
-        deadline = time.monotonic() + 10
-        while _admin(env, port, "get")[1]["values"]["max_num_seqs"] != 5:
-            assert time.monotonic() < deadline, "reload did not apply"
-            time.sleep(0.2)
         values = _admin(env, port, "get")[1]["values"]
+        assert values["max_num_seqs"] == 5
         assert values["batch_wait_ms"] == 3 and values["tenants.kept.weight"] == 2
         assert not any(k.startswith("tenants.passing.") for k in values), values
+        # A file the server refuses: the reload says so (it used to report success).
+        config.write_text("[scheduler]\nmax_num_seqs = 7\n[scheduler]\nmax_num_seqs = 8\n")
+        code, said = _admin(env, port, "reload")
+        assert code == 1 and "reload refused, nothing changed" in said, said
+        assert _admin(env, port, "get")[1]["values"]["max_num_seqs"] == 5
         code, screen = _admin(env, port, "stats")
         assert code == 0, screen
         lines = screen.splitlines()
