@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import time
-import tomllib
 
 import msgspec
 import zmq
@@ -82,35 +81,23 @@ def _config_path(runtime_dir: str) -> str:
 
 def _persist(runtime_dir: str, values: dict[str, object]) -> str:
     """Write values into the server's config file (their own section, or [tenants.NAME] /
-    [pools.NAME])."""
+    [pools.NAME]), the rest of it as it was: comments, order and layout."""
+    import tomlkit
+
     path = _config_path(runtime_dir)
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    with open(path) as f:
+        doc = tomlkit.load(f)
     for key, value in values.items():
         table, _, rest = key.partition(".")
         if table in TABLES:  # tenants.NAME.FIELD -> [tenants.NAME] FIELD
             name, _, field = rest.rpartition(".")
-            data.setdefault(table, {}).setdefault(name, {})[field] = value
+            entries = doc.setdefault(table, tomlkit.table(is_super_table=True))
+            entries.setdefault(name, tomlkit.table())[field] = value
         else:
-            data.setdefault(section_of(key), {})[key] = value
+            doc.setdefault(section_of(key), tomlkit.table())[key] = value
     with open(path, "w") as f:
-        f.write(_toml(data))
+        tomlkit.dump(doc, f)
     return path
-
-
-def _toml(data: dict[str, dict[str, object]]) -> str:
-    lines = []
-    tables = [(section, values) for section, values in data.items() if section not in TABLES]
-    tables += [(f"{table}.{json.dumps(name)}", values)
-               for table in TABLES for name, values in data.get(table, {}).items()]
-    for section, values in tables:
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            text = str(value).lower() if isinstance(value, bool) else (
-                json.dumps(value) if isinstance(value, str) else str(value))
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def histograms(runtime_dir: str) -> dict[str, list[tuple[float, float]]]:
