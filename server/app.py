@@ -25,6 +25,7 @@ from server.openai_types import (
     TokenizeRequest,
 )
 from server.request_body import read_json
+from server.request_log import logged
 from server.responses import (
     TokenText,
     cached_of,
@@ -37,7 +38,7 @@ from server.responses import (
 from server.result_cache import ResultCache, replay
 from server.tokenizer import Tokenizer
 from server.tools import calls_forced, tool_parsers
-from server.tracing import RequestTrace, Tracing
+from server.tracing import Tracing
 from server.translate import Body, RequestTranslator, T, stop_strings
 from server.websocket import OpenSockets, stream_socket
 from surge import __version__, metrics
@@ -125,7 +126,7 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return _logged(merge(streams), rid, prompt_tokens, tenant,
+        return logged(merge(streams), rid, prompt_tokens, tenant,
                        self.translator.model_name, len(streams),
                        breaker.finished if probe else None, trace), degraded
 
@@ -354,61 +355,6 @@ class Frontend:
     def _json(payload: dict, headers: dict[str, str] | None = None) -> web.Response:
         return web.Response(body=_json.encode(payload), content_type="application/json",
                             headers=headers)
-
-
-async def _logged(pieces: AsyncIterator[Piece], rid: str, prompt_tokens: int, tenant: str,
-                  model: str, choices: int,
-                  ended: Callable[[bool | None], None] | None = None,
-                  trace: RequestTrace | None = None) -> AsyncIterator[Piece]:
-    """One log line per finished request: id, outcome, token counts, timings (no text); its
-    metrics and its trace, a cancelled or failed request's too. ended: told whether it
-    finished (True), the engine failed it (False), or neither (None), as Breaker.finished
-    takes it."""
-    started = time.monotonic()
-    first: float | None = None
-    last = started
-    generated = 0
-    reasons: list[str] = []
-    outcome = "cancelled"
-    engine_failed = False
-    try:
-        async with aclosing(pieces) as stream:
-            async for piece in stream:
-                now = time.monotonic()
-                if first is None:
-                    first = now
-                    metrics.ttft.labels(model).observe(now - started)
-                else:
-                    metrics.itl.labels(model).observe(now - last)
-                last = now
-                if trace is not None:
-                    trace.piece(piece.timing)
-                generated += piece.num_tokens
-                if piece.finish_reason:
-                    reasons.append(piece.finish_reason)
-                yield piece
-        outcome = "ok"
-        metrics.e2e.labels(model).observe(time.monotonic() - started)
-    except ApiError as e:
-        outcome = f"error {e.status}"
-        engine_failed = e.status >= 500
-        raise
-    finally:
-        if ended is not None:
-            ended(True if outcome == "ok" else False if engine_failed else None)
-        if trace is not None:
-            trace.end(outcome, reasons, prompt_tokens, generated)
-        metrics.prompt_tokens.labels(model).inc(prompt_tokens)
-        for reason in reasons:
-            metrics.request_success.labels(model, reason).inc()
-        # Choices that did not finish: the client left (or cancelled), or an error ended them.
-        unfinished = "error" if outcome.startswith("error") else "abort"
-        metrics.request_success.labels(model, unfinished).inc(choices - len(reasons))
-        log.info("request %s", outcome, extra={
-            "request_id": rid, "tenant": tenant, "finish_reason": ",".join(reasons) or None,
-            "prompt_tokens": prompt_tokens, "completion_tokens": generated,
-            "ttft_ms": round((first - started) * 1000, 1) if first else None,
-            "duration_ms": round((time.monotonic() - started) * 1000, 1)})
 
 
 def _event(payload: dict) -> bytes:
