@@ -129,9 +129,10 @@ def parse_memory(value: str, free_bytes: int) -> int:
         amount = -1.0
     if unit == "" and amount != -1.0 and not 0 < amount <= 1:
         # A bare number is a fraction; 2 or 4096 are far more likely sizes missing a unit.
+        size = f"{number}MiB" if amount > 0 else "512MiB"  # no size of 0 or less
         raise ConfigError(
             f"kv_cache_memory={value!r} has no unit, so it was read as a fraction of free "
-            f"memory, which must be in (0, 1]; for a size add a unit (e.g. {number}MiB)")
+            f"memory, which must be in (0, 1]; for a size add a unit (e.g. {size})")
     if amount <= 0 or unit not in _UNITS:
         raise ConfigError(
             f"kv_cache_memory={value!r}: use bytes with a unit (e.g. 512MiB, 2GiB) "

@@ -82,8 +82,9 @@ def test_parse_memory():
             parse_memory(bad, 1000)
     # A bare number is a fraction; one outside (0, 1] is refused, saying how it was read.
     for bad in ["0", "1.5", "4096", "-0.5"]:
-        with pytest.raises(ConfigError, match=r"read as a fraction .* \(0, 1\]"):
+        with pytest.raises(ConfigError, match=r"read as a fraction .* \(0, 1\]") as e:
             parse_memory(bad, 1000)
+        assert "e.g. 0MiB" not in str(e.value) and "e.g. -" not in str(e.value)
 
 
 def test_flags_refuse_values_outside_their_choices(capsys):
