@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,8 +64,9 @@ def test_serve_refuses_more_ranks_than_gpus_with_exit_code_2():
     import subprocess
     import sys
 
+    # Two listed (none need exist here: the count is checked before any is used).
     proc = subprocess.run([sys.executable, "-m", "surge.cli", "serve", "--device", "cuda",
                            "--tensor-parallel-size", "512"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 2, proc.stderr
-    assert "needs 512 GPUs but" in proc.stderr and "lower it" in proc.stderr
+    assert "needs 512 GPUs but 2 are visible" in proc.stderr and "lower it" in proc.stderr

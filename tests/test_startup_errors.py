@@ -41,7 +41,6 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
     (["--speculative-method", "draft", "--draft-layers", "999"],
      "--draft-layers 999: the model has 30 layers"),
     (["--tensor-parallel-size", "2"], "attention heads (9) do not split evenly"),
-    (["--device", "cuda"], "--device cuda: no GPU is visible here"),  # named the wrong flag
     (["--speculative-method", "draft", "--draft-model", "/no/draft.gguf"],
      "--draft-model '/no/draft.gguf': no such file"),
 ])
@@ -53,6 +52,12 @@ def test_triton_kernels_on_the_cpu_are_refused_outside_the_interpreter():
     out = _serve("--port", str(free_port()), "--kernel-backend", "triton",
                  env={"TRITON_INTERPRET": "0"})  # the tests' own Triton runs interpreted
     assert "the triton kernel backend needs CUDA" in _one_line_error(out)
+
+
+def test_cuda_without_a_gpu_names_the_device_flag():
+    out = _serve("--port", str(free_port()), "--device", "cuda",
+                 env={"CUDA_VISIBLE_DEVICES": ""})  # none, on any machine
+    assert "--device cuda: no GPU is visible here" in _one_line_error(out)
 
 
 def test_port_in_use():
