@@ -13,9 +13,10 @@ from msgspec import Struct
 
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, CompletionRequest
+from server.tokenizer import Tokenizer
 from server.tool_parsers import HERMES, ToolFormat
 from server.tools import tool_grammar
-from surge.grammar import GrammarError, compile_grammar
+from surge.grammar import GrammarError, check_cost, compile_grammar, ll_tokenizer
 
 # Distinct constraints whose compiled grammar is kept (a few KB each).
 CACHE_SIZE = 256
@@ -89,16 +90,30 @@ class Grammars:
     """Compiled grammars by constraint: a bounded LRU cache of futures, so concurrent requests
     with one schema share its compile, and an error is remembered like a grammar."""
 
-    def __init__(self, size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Tokenizer, size: int = CACHE_SIZE) -> None:
         self.size = size
         self._cache: OrderedDict[str, asyncio.Future[str]] = OrderedDict()
+        self.tokenizer = tokenizer
+        self._ll_tokenizer: Any = None  # built on the first constraint (a third of a second)
+
+    def _compiled(self, c: Constraint) -> str:
+        """The constraint's grammar, refused when the engine cannot enforce it or a worker
+        would take too long to start matching it (in a thread: llguidance lets go of the GIL)."""
+        grammar = compile_grammar(c.kind, c.spec)
+        if self._ll_tokenizer is None:
+            hf = self.tokenizer.hf
+            self._ll_tokenizer = ll_tokenizer(hf.backend_tokenizer.to_str(),
+                                              self.tokenizer.vocab_size,
+                                              self.tokenizer.eos_token_ids)
+        check_cost(grammar, self._ll_tokenizer)
+        return grammar
 
     async def compile(self, c: Constraint) -> str:
         key = f"{c.kind}\0{json.dumps(c.spec, sort_keys=True)}"
         future = self._cache.get(key)
         if future is None:
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(None, compile_grammar, c.kind, c.spec)
+            future = loop.run_in_executor(None, self._compiled, c)
             self._cache[key] = future
             while len(self._cache) > self.size:
                 self._cache.popitem(last=False)

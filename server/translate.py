@@ -48,7 +48,7 @@ class RequestTranslator:
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.max_choices = max_choices
-        self.grammars = Grammars()
+        self.grammars = Grammars(tokenizer)
 
     def decode_body(self, raw: bytes, kind: type[T]) -> T:
         if not self.engine.ready.done():

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,12 @@ log = logging.getLogger("surge.grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "regex", "choice", "grammar", "lark")
 TOKENIZER_FILE = "grammar-tokenizer.json"
+# The longest a constraint's matcher may take to build and give its first mask, measured in
+# the frontend: a worker builds one inside a step, which every sequence in it waits for (test
+# schemas take 1-5 ms; 10,000 choices 0.2 s, 3,000 properties 1 s, 10,000 properties 11 s).
+MATCHER_BUDGET_S = 0.5
+# Built matchers a worker keeps, by grammar, to copy for each new sequence (a copy is free).
+_BUILT = 64
 # llguidance's terse stop reasons, in words.
 _REASONS = {"NoExtensionBias": "no token can continue the output (the constraint admits no "
                                "text here, e.g. a schema that no value satisfies)"}
@@ -91,6 +99,31 @@ def compile_grammar(kind: str, spec: Any) -> str:
     return grammar
 
 
+def check_cost(grammar: str, tokenizer: Any) -> None:
+    """Refuse (GrammarError) a grammar whose matcher takes over MATCHER_BUDGET_S to build and
+    mask once, or fails doing it; tokenizer: an llguidance tokenizer (ll_tokenizer)."""
+    from llguidance import LLMatcher
+
+    started = time.perf_counter()
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    matcher.compute_bitmask()
+    took = time.perf_counter() - started
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error().strip().splitlines()[0])
+    if took > MATCHER_BUDGET_S:
+        raise GrammarError(f"it is too large to enforce without holding up every other request "
+                           f"(its matcher took {took * 1000:.0f} ms to build, the limit is "
+                           f"{MATCHER_BUDGET_S * 1000:.0f} ms); give fewer choices, properties "
+                           f"or alternatives")
+
+
+def ll_tokenizer(tokenizer_json: str, vocab: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's tokenizer from a Hugging Face tokenizer's JSON."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos_token_ids or None)
+
+
 def write_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int], runtime_dir: str) -> None:
     """The tokenizer the workers' matchers need, saved by the frontend (which has it loaded:
     building it again from a GGUF file costs the worker seconds)."""
@@ -112,6 +145,7 @@ class Matchers:
         self.failed: dict[int, str] = {}  # seq_id -> why its matcher gave up, until reported
         self._tokenizer: Any = None
         self._executor: Any = None
+        self._built: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self.by_seq
@@ -119,12 +153,11 @@ class Matchers:
     def _load(self) -> None:
         """On the first constrained sequence (under a second), so unconstrained serving never
         pays for it."""
-        from llguidance import LLExecutor, LLTokenizer
+        from llguidance import LLExecutor
 
         with open(self.path) as f:
             data = json.load(f)
-        self._tokenizer = LLTokenizer(data["tokenizer"], n_vocab=self.vocab,
-                                      eos_token=data["eos"] or None)
+        self._tokenizer = ll_tokenizer(data["tokenizer"], self.vocab, data["eos"])
         self._executor = LLExecutor()
 
     def start(self, seq_id: int, grammar: str, tokens: list[int]) -> None:
@@ -134,7 +167,12 @@ class Matchers:
 
         if self._tokenizer is None:
             self._load()
-        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        # Built once a grammar and copied: n choices, or a schema sent again, build no more.
+        fresh = self._built.pop(grammar, None) or LLMatcher(self._tokenizer, grammar, log_level=0)
+        self._built[grammar] = fresh
+        while len(self._built) > _BUILT:
+            self._built.popitem(last=False)
+        matcher = fresh.deep_copy()
         if tokens:
             matcher.consume_tokens(tokens)
         self.by_seq[seq_id] = matcher

@@ -3,6 +3,8 @@ scheduler hands grammars to the worker, and how a request's fields become one co
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import numpy as np
 import pytest
@@ -92,6 +94,39 @@ def test_masked_rows_follow_the_grammar_and_the_others_do_not_move(matchers, tok
     assert np.array_equal(matchers.bitmask([(10, 0, [])])[1], mask)
     matchers.release([10, 11])
     assert 10 not in matchers and 11 not in matchers
+
+
+@pytest.mark.slow
+def test_a_grammar_is_built_once_and_copied_for_each_sequence(matchers, tokenizer):
+    """n choices (or a schema sent again) cost one build in the step, not one each: the copies
+    advance on their own."""
+    grammar = compile_grammar("choice", ["yes", "no", "perhaps"])  # not built before here
+    built = len(matchers._built)
+    matchers.start(20, grammar, [])
+    matchers.start(21, grammar, [])
+    assert len(matchers._built) == built + 1
+    matchers.advance(20, tokenizer.encode("yes"))
+    _, mask = matchers.bitmask([(20, 0, []), (21, 1, [])])
+    assert not np.array_equal(mask[0], mask[1])  # 21 may still start either word
+    matchers.release([20, 21])
+
+
+def test_a_constraint_too_costly_to_start_matching_is_refused(tokenizer):
+    """A worker would build its matcher inside a step that everyone waits for: the frontend
+    measures the build and refuses one over the budget, naming the field."""
+    from server.structured import Constraint, Grammars
+
+    async def compile_both() -> None:
+        grammars = Grammars(tokenizer)
+        small = Constraint("choice", ["yes", "no"], "guided_choice")
+        assert "yes" in await grammars.compile(small)
+        huge = Constraint("json_schema", {"type": "object", "properties": {
+            f"p{i}": {"type": "string"} for i in range(10_000)}}, "guided_json")
+        with pytest.raises(ApiError, match=r"guided_json: .*too large to enforce") as e:
+            await grammars.compile(huge)
+        assert e.value.param == "guided_json"
+
+    asyncio.run(compile_both())
 
 
 @pytest.mark.slow
