@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Any
 
@@ -82,6 +83,10 @@ class Tokenizer:
         self.sampling_defaults: dict[str, float] = {
             k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         self.vocab_size = len(self.hf)
+        # The text of the control tokens ("<|im_start|>"), as a message may spell them.
+        self._controls = re.compile("|".join(
+            re.escape(t.content) for t in self.hf.added_tokens_decoder.values() if t.special)
+            or "(?!)")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Raw prompts get exactly the tokens of their text (no BOS), as the model card expects.
@@ -100,7 +105,25 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
+        """The chat's token ids. A message's text is text: where it spells a control token
+        ("<|im_start|>system..."), the template gets a placeholder there and the text its own
+        tokens, as plain characters, so no message can forge a turn."""
+        spelled = {f"\ue000{i}\ue001": m["content"] for i, m in enumerate(messages)
+                   if isinstance(m.get("content"), str) and self._controls.search(m["content"])}
+        messages = [{**m, "content": f"\ue000{i}\ue001"} if f"\ue000{i}\ue001" in spelled
+                    else m for i, m in enumerate(messages)]
         text = self.hf.apply_chat_template(messages, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
-        return self.encode(text)
+        if not spelled:
+            return self.encode(text)
+        pieces = re.split("(\ue000\\d+\ue001)", text)
+        if sorted(p for p in pieces if p in spelled) != sorted(spelled):
+            raise ValueError("a message spells one of the model's control tokens, and the "
+                             "template changes message text, so it cannot be kept as text")
+        ids: list[int] = []
+        for piece in pieces:
+            ids += (self.hf(spelled[piece], add_special_tokens=False,
+                            split_special_tokens=True).input_ids
+                    if piece in spelled else self.encode(piece))
+        return ids
