@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -63,7 +63,8 @@ class Service(Protocol):
 
 class _Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
-    id: str | None = None
+    # Bounded: every frame of the request repeats it.
+    id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     endpoint: str | None = None
     body: msgspec.Raw = msgspec.Raw(b"")  # kept raw: decoded later by the endpoint's type
 
@@ -153,7 +154,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
             try:
                 m = msgspec.json.decode(msg.data, type=_Message)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                await error(None, 400, f"message is not a valid JSON object: {e}")
+                await error(_id_of(msg.data), 400, f"message is not a valid JSON object: {e}")
                 continue
             await _dispatch(m, jobs, serve, error, forget)
     finally:
@@ -162,6 +163,16 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
             job.cancel()
         await asyncio.gather(*jobs.values(), return_exceptions=True)
     return ws
+
+
+def _id_of(data: str) -> str | None:
+    """A refused message's own id, where it has a usable one, so its error frame names it."""
+    try:
+        found = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    rid = found.get("id") if isinstance(found, dict) else None
+    return rid if isinstance(rid, str) and len(rid) <= 256 else None
 
 
 async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, error: Any,

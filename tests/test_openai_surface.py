@@ -264,8 +264,9 @@ def test_websocket_multiplexing_cancel_and_errors(server):
 
     seen = asyncio.run(asyncio.wait_for(main(), 120))
     assert seen["?"][0]["type"] == "error"  # the malformed message; the socket lived on
-    assert "priority" in seen["?"][1]["error"]["message"]  # refused, not run
-    assert "extra" not in seen
+    # Refused, not run, and its error names it.
+    assert [m["type"] for m in seen["extra"]] == ["error"]
+    assert "priority" in seen["extra"][0]["error"]["message"]
     assert seen["bad"][-1]["type"] == "error" and seen["bad"][-1]["error"]["param"]
     # The HTTP answer's code too (404 model_not_found), not only its message.
     assert seen["nomodel"][-1]["error"]["code"] == "model_not_found"
@@ -519,10 +520,15 @@ def test_websocket_instant_cancel_and_refused_fields(server):
                                 "body": {"prompt": "hi", "echo": True}})
             await ws.send_json({"type": "request", "id": "l", "endpoint": "completions",
                                 "body": {"prompt": "hi", "logprobs": 0}})
+            # A frame refused whole still names its id; an id past 256 characters is refused.
+            await ws.send_json({"type": "request", "id": "k", "endpoint": "completions",
+                                "body": {"prompt": "hi"}, "extra": 1})
+            await ws.send_json({"type": "request", "id": "i" * 257, "endpoint": "completions",
+                                "body": {"prompt": "hi"}})
             async for msg in ws:
                 m = json.loads(msg.data)
                 got.append(m)
-                if len([g for g in got if g["type"] in ("done", "error")]) == 3:
+                if len([g for g in got if g["type"] in ("done", "error")]) == 5:
                     break
             # The id is free again: a new request with it runs to the end.
             await ws.send_json({"type": "request", "id": "x", "endpoint": "completions",
@@ -539,4 +545,5 @@ def test_websocket_instant_cancel_and_refused_fields(server):
             if m["type"] in ("done", "error")]
     assert ("x", "done", "cancelled") in ends and ("e", "error", None) in ends
     assert ("l", "error", None) in ends  # logprobs 0 is refused like its HTTP twin
+    assert ("k", "error", None) in ends and (None, "error", None) in ends
     assert ends[-1] == ("x", "done", "length")
