@@ -83,6 +83,9 @@ class Tokenizer:
         self.sampling_defaults: dict[str, float] = {
             k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         self.vocab_size = len(self.hf)
+        # At least the characters of the longest token's text: a vocabulary entry spells each
+        # byte (or character) of it as one character.
+        self.longest_token = max(map(len, self.hf.get_vocab()))
         # The text of the control tokens ("<|im_start|>"), as a message may spell them.
         self._controls = re.compile("|".join(
             re.escape(t.content) for t in self.hf.added_tokens_decoder.values() if t.special)

@@ -111,7 +111,7 @@ class RequestTranslator:
                                 "or neither", param="prompt")
         if body.messages is not None:
             return await self._chat_prompt(ChatCompletionRequest(messages=body.messages),
-                                           body.add_generation_prompt)
+                                           body.add_generation_prompt, bounded=False)
         assert body.prompt is not None
         return await self._tokenize(body.prompt, body.add_special_tokens)
 
@@ -166,8 +166,10 @@ class RequestTranslator:
             len(text), partial(self.tokenizer.encode, add_special_tokens=add_special_tokens),
             text)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest,
-                           add_generation_prompt: bool = True) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest, add_generation_prompt: bool = True,
+                           bounded: bool = True) -> list[int]:
+        """bounded: a chat past any context window is refused untokenized (not for /tokenize,
+        which counts whatever it is given)."""
         for i, m in enumerate(body.messages):
             # Only an assistant turn may come without text (OpenAI: one that called tools).
             if m.content is None and m.role != "assistant":
@@ -181,6 +183,8 @@ class RequestTranslator:
         tools.check(body)
         messages, tool_defs = tools.chat_messages(body, self.tokenizer.template_takes_tools)
         size = sum(len(m["content"]) for m in messages) + len(str(tool_defs or ""))
+        if bounded:
+            self._check_length(size, "messages")
         try:
             return await self._off_loop_if_long(
                 size, lambda m: self.tokenizer.apply_chat_template(m, tool_defs,
@@ -190,7 +194,19 @@ class RequestTranslator:
             raise ApiError(400, f"the model's chat template refused these messages: {e}",
                            param="messages") from None
 
+    def _check_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long for the context window in any
+        tokenization (seconds of a thread for a few MB)."""
+        if chars > self.tokenizer.longest_token * self.max_model_len:
+            raise ApiError(400, f"the {param} has {chars} characters, more than this model's "
+                                f"context window of {self.max_model_len} tokens can hold (no "
+                                f"token is longer than {self.tokenizer.longest_token}); "
+                                f"shorten it", param=param, code="context_length_exceeded")
+
     async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        for text in [prompt] if isinstance(prompt, str) else prompt or []:
+            if isinstance(text, str):
+                self._check_length(len(text), "prompt")
         if isinstance(prompt, str):
             return [await self._tokenize(prompt)]
         if not prompt:

@@ -365,6 +365,17 @@ def test_deeply_nested_json_is_a_400(server, field):
     assert payload["error"]["message"]
 
 
+def test_a_text_past_any_window_is_refused_before_it_is_tokenized(server):
+    """A few MB of prompt cost seconds of a thread to tokenize: past what the window could
+    hold in any tokenization, it is refused on its length."""
+    for path, body in (("/v1/completions", {"prompt": "a" * 700_000}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "a" * 700_000}]})):
+        code, payload = server.post(path, body)
+        assert code == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+        assert "700000 characters" in payload["error"]["message"], payload
+
+
 def test_chat_bad_parameters(server):
     code, payload = server.post("/v1/chat/completions",
                           {"messages": CHAT[0], "top_logprobs": 2})
