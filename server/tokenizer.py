@@ -86,6 +86,7 @@ class Tokenizer:
         # At least the characters of the longest token's text: a vocabulary entry spells each
         # byte (or character) of it as one character.
         self.longest_token = max(map(len, self.hf.get_vocab()))
+        self._text_only: Any = None  # see _as_text
         # The text of the control tokens ("<|im_start|>"), as a message may spell them.
         self._controls = re.compile("|".join(
             re.escape(t.content) for t in self.hf.added_tokens_decoder.values() if t.special)
@@ -126,7 +127,18 @@ class Tokenizer:
                              "template changes message text, so it cannot be kept as text")
         ids: list[int] = []
         for piece in pieces:
-            ids += (self.hf(spelled[piece], add_special_tokens=False,
-                            split_special_tokens=True).input_ids
+            ids += (self._as_text().encode(spelled[piece], add_special_tokens=False).ids
                     if piece in spelled else self.encode(piece))
         return ids
+
+    def _as_text(self) -> Any:
+        """A second copy of the tokenizer that reads control tokens' spellings as text. Its
+        own: transformers' split_special_tokens flips a setting of the one every request
+        shares, which requests tokenized in other threads would then meet."""
+        if self._text_only is None:
+            import tokenizers
+
+            copy = tokenizers.Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
+            copy.encode_special_tokens = True
+            self._text_only = copy
+        return self._text_only
