@@ -16,7 +16,7 @@ from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.tokenizer import Tokenizer
 from server.tool_parsers import HERMES, ToolFormat
 from server.tools import tool_grammar
-from surge.grammar import GrammarError, check_cost, compile_grammar, ll_tokenizer
+from surge.grammar import GrammarError, TooCostly, check_cost, compile_grammar, ll_tokenizer
 
 # Distinct constraints whose compiled grammar is kept (a few KB each).
 CACHE_SIZE = 256
@@ -122,6 +122,10 @@ class Grammars:
         try:
             # Shielded: a client that leaves must not cancel the compile others wait for.
             return await asyncio.shield(future)
+        except TooCostly as e:
+            self._cache.pop(key, None)  # measured once: not remembered as the schema's fault
+            raise ApiError(400, f"{c.param}: the constraint cannot be enforced: {e}",
+                           param=c.param) from None
         except GrammarError as e:
             raise ApiError(400, f"{c.param}: the constraint cannot be enforced: {e}",
                            param=c.param) from None

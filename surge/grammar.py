@@ -44,17 +44,21 @@ _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "pr
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LIST = ("anyOf", "oneOf", "prefixItems", "items")
 _OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SHARING = ("allOf", "anyOf", "oneOf", "$ref", "dependentSchemas")
 
 
 def closed_objects(schema: Any, joined: bool = False) -> Any:
     """The schema with every object that lists its `properties` and says nothing of others
     closed to them, as vLLM's default engine (xgrammar) and OpenAI's strict mode generate;
-    `additionalProperties: true` keeps one open. allOf's members stay open (closed, each would
-    forbid the others' keys)."""
+    `additionalProperties: true` keeps one open. An object whose keys other schemas share
+    stays open, since closed each would forbid the others' keys: allOf's members, an object
+    beside allOf, anyOf, oneOf, $ref or dependentSchemas, and, next to `properties`, the
+    members of its anyOf and oneOf (a tagged union's)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "properties" in out and not joined and not any(k in out for k in _OPEN):
+    shared = any(k in out for k in _SHARING)
+    if "properties" in out and not (joined or shared) and not any(k in out for k in _OPEN):
         out["additionalProperties"] = False
     for key in _ONE:
         if isinstance(out.get(key), dict):
@@ -64,7 +68,8 @@ def closed_objects(schema: Any, joined: bool = False) -> Any:
             out[key] = {name: closed_objects(s) for name, s in out[key].items()}
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
+            union = key in ("anyOf", "oneOf") and "properties" in out
+            out[key] = [closed_objects(s, joined=union) for s in out[key]]
     if isinstance(out.get("allOf"), list):
         out["allOf"] = [closed_objects(s, joined=True) for s in out["allOf"]]
     return out
@@ -72,6 +77,11 @@ def closed_objects(schema: Any, joined: bool = False) -> Any:
 
 class GrammarError(ValueError):
     """A constraint the engine cannot compile or does not fully support; the message says why."""
+
+
+class TooCostly(GrammarError):
+    """A constraint whose matcher took longer to build than MATCHER_BUDGET_S (this time: a
+    busy machine may take longer than an idle one)."""
 
 
 def compile_grammar(kind: str, spec: Any) -> str:
@@ -104,14 +114,15 @@ def check_cost(grammar: str, tokenizer: Any) -> None:
     mask once, or fails doing it; tokenizer: an llguidance tokenizer (ll_tokenizer)."""
     from llguidance import LLMatcher
 
-    started = time.perf_counter()
+    # This thread's CPU time: the build's own cost, whatever else the machine is doing.
+    started = time.thread_time()
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     matcher.compute_bitmask()
-    took = time.perf_counter() - started
+    took = time.thread_time() - started
     if matcher.is_error():
         raise GrammarError(matcher.get_error().strip().splitlines()[0])
     if took > MATCHER_BUDGET_S:
-        raise GrammarError(f"it is too large to enforce without holding up every other request "
+        raise TooCostly(f"it is too large to enforce without holding up every other request "
                            f"(its matcher took {took * 1000:.0f} ms to build, the limit is "
                            f"{MATCHER_BUDGET_S * 1000:.0f} ms); give fewer choices, properties "
                            f"or alternatives")
