@@ -30,7 +30,8 @@ from surge.protocol import (
 )
 from surge.step_size import step_words
 
-# Rows of prompt logprobs scored at once: 256 x a 49k vocabulary is 50 MB of float32 logits.
+# Rows of prompt logprobs scored at once: their float32 logits, log-softmax and a copy take
+# about 3 x 256 x vocabulary x 4 bytes (150 MB for a 49k vocabulary, 800 MB for 256k).
 _SCORE_ROWS = 256
 
 
@@ -289,11 +290,10 @@ class ModelRunner:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
             return Launched(step=step, tokens=None)
-        scored = self._score(hidden, step.scores) if self.samples and step.scores else {}
         if not step.picked:
             self.staging.release(step.slot)
             self.forward_s = time.perf_counter() - started
-            return Launched(step=step, tokens=None, prompt_logprobs=scored)
+            return Launched(step=step, tokens=None, prompt_logprobs=self._score(hidden, step))
         logprobs: list[TokenLogprobs | None] = []
         accepted = None
         if step.sampling is not None:  # rank 0 samples for the group
@@ -316,6 +316,8 @@ class ModelRunner:
         self.sampled = tokens
         drafts = None if step.proposers is None else self._propose(step.proposers, tokens,
                                                                     accepted)
+        # After the sampling is queued: on CUDA scoring waits for the device (.tolist()).
+        scored = self._score(hidden, step)
         self.staging.release(step.slot)
         if self.device.type != "cuda":
             return Launched(step=step, tokens=tokens, accepted=accepted, drafts=drafts,
@@ -329,13 +331,14 @@ class ModelRunner:
         return Launched(step=step, tokens=tokens_host, accepted=host[0], drafts=host[1],
                         ready=ready, logprobs=logprobs, prompt_logprobs=scored)
 
-    def _score(self, hidden: torch.Tensor, scores: list[tuple[int, int, list[int], int]]
-               ) -> dict[int, list[TokenLogprobs]]:
-        """Each scored prompt token's logprob at the row before it, and the top k there; the
-        LM head runs on a slice of rows at a time (a whole chunk's vocabulary-wide logits
-        would hold 4 x chunk x vocabulary bytes)."""
+    def _score(self, hidden: torch.Tensor, step: Step) -> dict[int, list[TokenLogprobs]]:
+        """On the sampling rank: each scored prompt token's logprob at the row before it, and
+        the top k there; the LM head runs on _SCORE_ROWS rows at a time (a whole chunk's
+        vocabulary-wide logits would not be bounded)."""
         out: dict[int, list[TokenLogprobs]] = {}
-        for seq_id, first, targets, k in scores:
+        if not self.samples:
+            return out
+        for seq_id, first, targets, k in step.scores:
             found: list[TokenLogprobs | None] = []
             for at in range(0, len(targets), _SCORE_ROWS):
                 part = targets[at : at + _SCORE_ROWS]
@@ -343,6 +346,7 @@ class ModelRunner:
                 found += token_logprobs(logits, torch.tensor(part, device=self.device),
                                         [k] * len(part))
             out[seq_id] = [lp for lp in found if lp is not None]
+            assert len(out[seq_id]) == len(targets)  # every row asks, so none is None
         return out
 
     def _received(self, num_tokens: int) -> torch.Tensor | None:

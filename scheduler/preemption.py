@@ -22,6 +22,13 @@ class Preemption:
     clock: Callable[[], float]
     _preempt: Callable[[Sequence], None]
 
+    def _hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence starts on: none for a prompt scored for its
+        logprobs, which is computed whole."""
+        if seq.sampling.prompt_logprobs is not None:
+            return []
+        return self.blocks.lookup(seq.token_ids)
+
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """The least urgent sequence, the latest arrival among equals."""
         now = self.clock()
@@ -42,7 +49,7 @@ class Preemption:
                 return  # the queue comes most urgent first: no one further on can preempt
             if seq.num_pending:
                 continue
-            hits = self.blocks.lookup(seq.token_ids)
+            hits = self._hits(seq)
             cached = len(hits) * self.cfg.block_size
             num_tokens = cached + min(seq.num_tokens - cached, self.cfg.max_num_batched_tokens)
             while True:
@@ -65,7 +72,7 @@ class Preemption:
         """A waiting suspect runs alone: running sequences are preempted to make room for it."""
         if seq.status is not Status.WAITING or seq.num_pending:
             return iter(())
-        hits = self.blocks.lookup(seq.token_ids)
+        hits = self._hits(seq)
         num_tokens = min(seq.num_tokens, len(hits) * self.cfg.block_size
                          + self.cfg.max_num_batched_tokens)
         while self.running and (len(self.running) >= seats or self.blocks.blocks_to_allocate(

@@ -233,9 +233,7 @@ class Scheduler(Intake, Preemption):
                 break
             if seq.num_pending:
                 continue  # preempted with a token still in flight: resume once it is known
-            # A prompt scored for its logprobs is computed whole.
-            hits = [] if seq.sampling.prompt_logprobs is not None else \
-                self.blocks.lookup(seq.token_ids)
+            hits = self._hits(seq)
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.allocate(seq, cached + n, hits):
