@@ -20,7 +20,8 @@ from surge.replica_stats import total
 from surge.runtime import admin_addresses, find_server, recorded, supervisor_pid
 
 _TIMEOUT_MS = 10_000
-# How long `admin reload` waits for the supervisor to record how the reload went.
+# How long `admin reload` waits for the supervisor to read the file (then each replica's
+# answer, up to _TIMEOUT_MS each) and record how the reload went.
 _RELOAD_WAIT_S = 15.0
 
 
@@ -270,17 +271,18 @@ def run_keys(args: argparse.Namespace) -> int:
 
 def _reload_outcome(runtime_dir: str, before: str | None) -> int:
     """Wait for the supervisor to record the reload it was signalled for, and say how it went."""
-    deadline = time.monotonic() + _RELOAD_WAIT_S
+    # The supervisor asks each replica's scheduler in turn, each for up to _TIMEOUT_MS.
+    wait = _RELOAD_WAIT_S + len(admin_addresses(runtime_dir)) * _TIMEOUT_MS / 1000
+    deadline = time.monotonic() + wait
     while (now := recorded(runtime_dir, "reload")) == before:
         if time.monotonic() > deadline:
-            print(f"surge admin: reload signalled, but no outcome within {_RELOAD_WAIT_S:.0f}s; "
-                  "see the server log", file=sys.stderr)
+            print(f"surge admin: reload signalled, but no outcome within {wait:.0f}s; see the "
+                  "server log", file=sys.stderr)
             return 1
         time.sleep(0.1)
     outcome = json.loads(now or "{}")
     if not outcome.get("ok"):
-        print(f"surge admin: reload refused, nothing changed: {outcome.get('message')}",
-              file=sys.stderr)
+        print(f"surge admin: {outcome.get('message')}", file=sys.stderr)
         return 1
     print("reloaded")
     return 0

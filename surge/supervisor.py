@@ -225,21 +225,22 @@ class Supervisor:
         try:
             new = load_config(self.flags)
         except ConfigError as e:
-            self._reloaded(False, str(e))
+            self._reloaded(False, f"reload refused, nothing changed: {e}")
             return
         reply = ask_all([r.channels.admin for r in self.replicas], "reload", flatten(new))
         if reply.ok:
             self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
                                                speculative=new.speculative,
                                                tenants=new.tenants)
-        self._reloaded(reply.ok, str(reply.values) if reply.ok else reply.message)
+            self._reloaded(True, f"reloaded: {reply.values}")
+        elif reply.message.startswith("replica "):  # a replica after the first refused it
+            self._reloaded(False, f"reload refused partway: {reply.message}")
+        else:
+            self._reloaded(False, f"reload refused, nothing changed: {reply.message}")
 
     def _reloaded(self, ok: bool, message: str) -> None:
         """A reload's outcome: in the log, and for `surge admin reload` to report."""
-        if ok:
-            log.info("reloaded: %s", message)
-        else:
-            log.error("reload refused, nothing changed: %s", message)
+        log.log(logging.INFO if ok else logging.ERROR, "%s", message)
         record_reload(self.channels.runtime_dir, ok, message)
 
     def _tell_scheduler(self, dead: BaseProcess, fatal: bool) -> None:
