@@ -13,10 +13,10 @@ from surge.config import (
     SpeculativeConfig,
     SurgeConfig,
     live_values,
-    oversized,
     shown,
 )
 from surge.config_frontend import pools_problem, tenants_problem
+from surge.config_load import oversized
 from surge.protocol import AdminReply, AdminRequest, EngineStats
 
 

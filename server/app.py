@@ -126,9 +126,8 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return logged(merge(streams), rid, prompt_tokens, tenant,
-                       self.translator.model_name, len(streams),
-                       breaker.finished if probe else None, trace), degraded
+        return logged(merge(streams), rid, prompt_tokens, tenant, self.translator.model_name,
+                      len(streams), breaker.finished if probe else None, trace), degraded
 
     async def respond(self, body: Body, kind: str, tenant: str, request: web.Request | None,
                       prompts: list[list[int]], max_tokens: int | None,

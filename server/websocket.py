@@ -61,10 +61,13 @@ class Service(Protocol):
                   ) -> tuple[AsyncIterator[Piece], str | None]: ...
 
 
+# The longest request id a socket takes: every frame of the request repeats it.
+_MAX_ID = 256
+
+
 class _Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
-    # Bounded: every frame of the request repeats it.
-    id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] | None = None
     endpoint: str | None = None
     body: msgspec.Raw = msgspec.Raw(b"")  # kept raw: decoded later by the endpoint's type
 
@@ -172,7 +175,7 @@ def _id_of(data: str) -> str | None:
     except msgspec.DecodeError:
         return None
     rid = found.get("id") if isinstance(found, dict) else None
-    return rid if isinstance(rid, str) and len(rid) <= 256 else None
+    return rid if isinstance(rid, str) and len(rid) <= _MAX_ID else None
 
 
 async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, error: Any,

@@ -444,23 +444,5 @@ def flatten(cfg: SurgeConfig) -> dict[str, str]:
             for k, v in live_values(cfg).items()}
 
 
-# The widest integer the processes' messages carry (msgpack's int64).
-_INT_LIMIT = 2**63 - 1
-
-
-def oversized(value: Any, key: str = "") -> str | None:
-    """Why a configuration (a Struct, or its builtins) cannot be sent between the processes:
-    the first integer past int64, by its key (None: none is)."""
-    if isinstance(value, msgspec.Struct):
-        value = msgspec.to_builtins(value)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if found := oversized(v, f"{key}.{k}" if key else str(k)):
-                return found
-    elif isinstance(value, int) and abs(value) > _INT_LIMIT:
-        return f"{key} = {value} is out of range (at most {_INT_LIMIT})"
-    return None
-
-
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""

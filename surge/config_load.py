@@ -12,7 +12,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Meta
 
-from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig, oversized
+from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig
 from surge.config_frontend import pools_problem, tenants_problem
 
 
@@ -106,6 +106,24 @@ def load_config(
             pools_problem(cfg.pools, cfg.model.data_parallel_size):
         raise ConfigError(problem)
     return cfg
+
+
+# The widest integer the processes' messages carry (msgpack's int64).
+_INT_LIMIT = 2**63 - 1
+
+
+def oversized(value: Any, key: str = "") -> str | None:
+    """Why a configuration (a Struct, or its builtins) cannot be sent between the processes:
+    the first integer past int64, by its key (None: none is)."""
+    if isinstance(value, msgspec.Struct):
+        value = msgspec.to_builtins(value)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if found := oversized(v, f"{key}.{k}" if key else str(k)):
+                return found
+    elif isinstance(value, int) and abs(value) > _INT_LIMIT:
+        return f"{key} = {value} is out of range (at most {_INT_LIMIT})"
+    return None
 
 
 def section_of(option: str) -> str:

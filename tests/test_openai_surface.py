@@ -142,6 +142,10 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
     assert "".join(c.text for c in chunks).startswith(choice.text)
     assert tokens[: len(prompt)] == lp.tokens and len(tokens) == len(prompt) + 4
     assert values[0] is None and values[1 : len(prompt)] == pytest.approx(lp.token_logprobs[1:])
+    # n choices of one prompt: each carries the prompt and its logprobs.
+    for c in client.completions.create(**{**args, "n": 2}).choices:
+        assert c.text == choice.text and c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
     # echo and max_tokens 0 without logprobs: the prompt alone.
     bare = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0)
     assert bare.choices[0].text == choice.text and bare.usage.completion_tokens == 0

@@ -109,6 +109,8 @@ def _sse(server: ServerProcess, key: str, path: str, body: dict,
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}]}),
     ("/v1/completions", {"prompt": "Les chats et les chiens", "n": 2, "echo": True}),
+    # The prompt's logprobs are kept with the answer and replayed in its first chunk.
+    ("/v1/completions", {"prompt": "Les chats et les chiens", "echo": True, "logprobs": 1}),
 ])
 @pytest.mark.parametrize("options", [None, {"include_usage": True},
                                      {"include_usage": True, "continuous_usage_stats": True}])
