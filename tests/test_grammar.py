@@ -121,7 +121,8 @@ def test_a_grammar_is_built_once_and_copied_for_each_sequence(matchers, tokenize
 
 def test_a_constraint_too_costly_to_start_matching_is_refused(tokenizer):
     """A worker would build its matcher inside a step that everyone waits for: the frontend
-    measures the build and refuses one over the budget, naming the field."""
+    measures the build and refuses one over the budget, naming the field (5,000 properties
+    take 5x the budget on the 2-core EPYC: a faster CPU still refuses them)."""
     from server.structured import Constraint, Grammars
 
     async def compile_both() -> None:
@@ -129,7 +130,7 @@ def test_a_constraint_too_costly_to_start_matching_is_refused(tokenizer):
         small = Constraint("choice", ["yes", "no"], "guided_choice")
         assert "yes" in await grammars.compile(small)
         huge = Constraint("json_schema", {"type": "object", "properties": {
-            f"p{i}": {"type": "string"} for i in range(3_000)}}, "guided_json")  # about 1 s
+            f"p{i}": {"type": "string"} for i in range(5_000)}}, "guided_json")  # 2.5 s here
         with pytest.raises(ApiError, match=r"guided_json: .*too large to enforce") as e:
             await grammars.compile(huge)
         assert e.value.param == "guided_json"
