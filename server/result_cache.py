@@ -51,9 +51,8 @@ def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:
     if isinstance(body, ChatCompletionRequest):  # the same limit under either name
         fields["max_tokens"] = fields.pop("max_completion_tokens") or fields["max_tokens"]
         fields["parallel_tool_calls"] = body.many_tool_calls
-    else:
-        if fields["max_tokens"] is None:  # 0 (echo alone) stays 0
-            fields["max_tokens"] = COMPLETION_MAX_TOKENS
+    elif fields["max_tokens"] is None:  # 0 (echo alone) stays 0
+        fields["max_tokens"] = COMPLETION_MAX_TOKENS
     return fields
 
 

@@ -122,10 +122,8 @@ class Grammars:
         try:
             # Shielded: a client that leaves must not cancel the compile others wait for.
             return await asyncio.shield(future)
-        except TooCostly as e:
-            self._cache.pop(key, None)  # measured once: not remembered as the schema's fault
-            raise ApiError(400, f"{c.param}: the constraint cannot be enforced: {e}",
-                           param=c.param) from None
         except GrammarError as e:
+            if isinstance(e, TooCostly):  # measured once: not remembered as the schema's fault
+                self._cache.pop(key, None)
             raise ApiError(400, f"{c.param}: the constraint cannot be enforced: {e}",
                            param=c.param) from None

@@ -112,10 +112,11 @@ class Tokenizer:
         """The chat's token ids. A message's text is text: where it spells a control token
         ("<|im_start|>system..."), the template gets a placeholder there and the text its own
         tokens, as plain characters, so no message can forge a turn."""
-        spelled = {f"\ue000{i}\ue001": m["content"] for i, m in enumerate(messages)
-                   if isinstance(m.get("content"), str) and self._controls.search(m["content"])}
-        messages = [{**m, "content": f"\ue000{i}\ue001"} if f"\ue000{i}\ue001" in spelled
-                    else m for i, m in enumerate(messages)]
+        marks = {i: f"\ue000{i}\ue001" for i, m in enumerate(messages)
+                 if isinstance(m.get("content"), str) and self._controls.search(m["content"])}
+        spelled = {mark: messages[i]["content"] for i, mark in marks.items()}
+        messages = [{**m, "content": marks[i]} if i in marks else m
+                    for i, m in enumerate(messages)]
         text = self.hf.apply_chat_template(messages, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False)

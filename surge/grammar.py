@@ -123,9 +123,9 @@ def check_cost(grammar: str, tokenizer: Any) -> None:
         raise GrammarError(matcher.get_error().strip().splitlines()[0])
     if took > MATCHER_BUDGET_S:
         raise TooCostly(f"it is too large to enforce without holding up every other request "
-                           f"(its matcher took {took * 1000:.0f} ms to build, the limit is "
-                           f"{MATCHER_BUDGET_S * 1000:.0f} ms); give fewer choices, properties "
-                           f"or alternatives")
+                        f"(its matcher took {took * 1000:.0f} ms to build, the limit is "
+                        f"{MATCHER_BUDGET_S * 1000:.0f} ms); give fewer choices, properties "
+                        f"or alternatives")
 
 
 def ll_tokenizer(tokenizer_json: str, vocab: int, eos_token_ids: list[int]) -> Any:
