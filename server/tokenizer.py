@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 from typing import Any
 
@@ -109,27 +110,37 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
-        """The chat's token ids. A message's text is text: where it spells a control token
-        ("<|im_start|>system..."), the template gets a placeholder there and the text its own
-        tokens, as plain characters, so no message can forge a turn."""
-        marks = {i: f"\ue000{i}\ue001" for i, m in enumerate(messages)
-                 if isinstance(m.get("content"), str) and self._controls.search(m["content"])}
-        spelled = {mark: messages[i]["content"] for i, mark in marks.items()}
-        messages = [{**m, "content": marks[i]} if i in marks else m
-                    for i, m in enumerate(messages)]
-        text = self.hf.apply_chat_template(messages, tools=tools,
+        """The chat's token ids. What a client sent is text: where any string of its messages or
+        tools spells a control token ("<|im_start|>system..."), the template renders a mark and
+        the spelling gets plain-character tokens, so no message, name, tool call or tool
+        description can forge a turn; only the template's own control tokens are controls."""
+        # This chat's own mark, which no client text can spell: a spelling's index between.
+        mark = f"\ue000{secrets.token_hex(8)}"
+        spelled: list[str] = []
+
+        def marked(spelling: re.Match[str]) -> str:
+            spelled.append(spelling[0])
+            return f"{mark}{len(spelled) - 1}\ue001"
+
+        def unspell(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._controls.sub(marked, value)
+            if isinstance(value, dict):
+                return {unspell(k): unspell(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [unspell(v) for v in value]
+            return value
+
+        text = self.hf.apply_chat_template(unspell(messages), tools=unspell(tools),
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
         if not spelled:
             return self.encode(text)
-        pieces = re.split("(\ue000\\d+\ue001)", text)
-        if sorted(p for p in pieces if p in spelled) != sorted(spelled):
-            raise ValueError("a message spells one of the model's control tokens, and the "
-                             "template changes message text, so it cannot be kept as text")
+        pieces = re.split(f"{mark}(\\d+)\ue001", text)
         ids: list[int] = []
-        for piece in pieces:
-            ids += (self._as_text().encode(spelled[piece], add_special_tokens=False).ids
-                    if piece in spelled else self.encode(piece))
+        for i, piece in enumerate(pieces):  # text, a spelling's index, text, ...
+            ids += (self._as_text().encode(spelled[int(piece)], add_special_tokens=False).ids
+                    if i % 2 else self.encode(piece))
         return ids
 
     def _as_text(self) -> Any:
