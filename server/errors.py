@@ -123,12 +123,19 @@ async def error_middleware(
 
 
 def _account(request: web.Request, status: int, started: float) -> None:
-    """A request's access line and its count in surge_requests_total."""
     route = request.match_info.route.resource
-    metrics.requests.labels(route.canonical if route else "unknown", str(status)).inc()
-    access.info("%s %s %d", request.method, request.path, status, extra={
+    account(request, route.canonical if route else "unknown",
+            f"{request.method} {request.path}", status, started)
+
+
+def account(request: web.Request, endpoint: str, line: str, status: int, started: float,
+            **fields: str) -> None:
+    """A request's access line and its count in surge_requests_total (an HTTP request, or one
+    request on a WebSocket: endpoint names the two apart)."""
+    metrics.requests.labels(endpoint, str(status)).inc()
+    access.info("%s %d", line, status, extra={
         "status": status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
-        "peer": request.remote, "tenant": request.get(TENANT)})
+        "peer": request.remote, "tenant": request.get(TENANT), **fields})
 
 
 async def _answer(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -21,7 +22,7 @@ import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from server.context_keys import MAX_BODY_BYTES, TENANT
-from server.errors import ApiError, draining_error, error_body
+from server.errors import ApiError, account, draining_error, error_body
 from server.generate import Piece
 from server.openai_types import ChatCompletionRequest, CompletionRequest
 from server.responses import usage
@@ -30,6 +31,7 @@ from server.translate import Body, RequestTranslator
 log = logging.getLogger("surge.frontend")
 _KINDS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
 _HEARTBEAT_S = 20.0
+_PATH = "/v1/stream"
 
 
 class OpenSockets:
@@ -91,13 +93,15 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         await send({"type": "error", "id": rid, "retry_after": retry_after,
                     "error": error_body(status, message, param, code)["error"]})
 
-    async def serve(rid: str, kind: type, raw: bytes) -> None:
+    async def serve(rid: str, endpoint: str, raw: bytes) -> None:
         frontend.in_flight += 1
+        started = time.monotonic()
+        status = 200
         prompt_tokens = generated = 0  # what a cancel's done frame counts
         try:
             if frontend.draining:
                 raise draining_error()
-            body = frontend.translator.decode_body(raw, kind)
+            body = frontend.translator.decode_body(raw, _KINDS[endpoint])
             # `is`, not `in`: a completion's logprobs 0 equals False, and must be refused too.
             if getattr(body, "echo", False) or body.logprobs is not None and \
                     body.logprobs is not False:
@@ -127,14 +131,19 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
                 done["degraded"] = degraded  # as the HTTP answer's X-Surge-Degraded
             await send(done)
         except ApiError as e:
+            status = e.status
             await error(rid, e.status, e.message, e.param, e.retry_after, e.code)
         except asyncio.CancelledError:
+            status = 499  # as an HTTP request whose client left
             await send(cancelled(rid, prompt_tokens, generated))
         except Exception:
+            status = 500
             log.exception("websocket request %s failed", rid)
             await error(rid, 500, "internal error; see the server log")
         finally:
             frontend.in_flight -= 1
+            account(request, f"{_PATH} {endpoint}", f"WS {_PATH} {endpoint} {rid}", status,
+                    started, socket_request_id=rid)
 
     def cancelled(rid: str, prompt_tokens: int = 0, generated: int = 0) -> dict:
         """A cancel's done frame, with what the request had used (nothing, if it never ran)."""
@@ -199,5 +208,5 @@ async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, erro
     elif not m.body:
         await error(m.id, 400, "a request needs a body")
     else:
-        job = jobs[m.id] = asyncio.create_task(serve(m.id, _KINDS[m.endpoint], bytes(m.body)))
+        job = jobs[m.id] = asyncio.create_task(serve(m.id, m.endpoint, bytes(m.body)))
         job.add_done_callback(lambda done, rid=m.id: forget(rid, done))

@@ -266,7 +266,22 @@ def test_websocket_multiplexing_cancel_and_errors(server):
                         break
         return seen
 
+    def counts() -> dict[tuple[str, str], float]:
+        return {(endpoint, status): server.metric("surge_requests_total",
+                                                   endpoint=f"/v1/stream {endpoint}",
+                                                   status=status)
+                for endpoint, status in [("completions", "200"), ("completions", "499"),
+                                         ("completions", "400"), ("completions", "404"),
+                                         ("chat.completions", "200")]}
+
+    before = counts()
     seen = asyncio.run(asyncio.wait_for(main(), 120))
+    # Each request on the socket counts as its own, by its outcome (the cancel as 499).
+    deadline = time.monotonic() + 10
+    while (grown := {k: v - before[k] for k, v in counts().items()}) != dict.fromkeys(before, 1) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert grown == dict.fromkeys(before, 1)
     assert seen["?"][0]["type"] == "error"  # the malformed message; the socket lived on
     # Refused, not run, and its error names it.
     assert [m["type"] for m in seen["extra"]] == ["error"]
