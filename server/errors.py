@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from server.context_keys import MAX_BODY_BYTES, TENANT
@@ -24,7 +24,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error",
+          414: "invalid_request_error", 415: "invalid_request_error",
+          431: "invalid_request_error",
           429: "rate_limit_error",
           503: "service_unavailable"}
 
@@ -97,10 +98,14 @@ class ProtocolErrors(RequestHandler):
             # line says what was wrong.
             why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
                         if line.strip()), "unreadable")
+            if isinstance(exc, LineTooLong):  # its first argument: the line's first 100 bytes
+                status, what = (414, "request target") if exc.args[0].startswith(b"/") \
+                    else (431, "header")
+                why = f"a {what} longer than {exc.args[1]} bytes"
             access.info("malformed request %d", status, extra={
                 "status": status, "peer": request.remote, "reason": why})
-            response = error_response(400, f"the request is not valid HTTP/1.1 ({why}); "
-                                           "nothing was run")
+            response = error_response(status, f"the request is not valid HTTP/1.1 ({why}); "
+                                              "nothing was run")
         response.force_close()
         return response
 

@@ -518,6 +518,23 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
     assert server.output().count("malformed request 400") >= 2
 
 
+def test_an_overlong_request_target_or_header_gets_414_or_431(server):
+    """Past aiohttp's 8,190-byte lines: RFC 9110's 414 and RFC 6585's 431, with the error body."""
+    long = "x" * 9000
+    for raw, status in ((f"GET /v1/models?{long} HTTP/1.1\r\nHost: x\r\n\r\n", "414"),
+                        (f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: {long}\r\n\r\n", "431")):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(raw.encode())
+            s.settimeout(10)
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+        head, body = reply.decode().split("\r\n\r\n", 1)
+        assert head.split()[1] == status, reply
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and "8190 bytes" in error["message"]
+
+
 def test_slow_body_is_timed_out(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
