@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 # reference kernels serve), again whenever their sources change: otherwise the first server
 # a test starts would compile them inside its start-up timeout.
 KERNELS := $(VENV)/.surge-kernels
-$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
+$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/__init__.py)
 	$(BIN)/python -c "from kernels.cpu import extension; extension()"
 	touch $(KERNELS)
 

@@ -66,6 +66,25 @@ def test_the_extension_builds_where_a_compiler_exists():
     assert str(picked) == "cpu kernels (auto on cpu)" or extension() is None
 
 
+def test_each_cpu_and_checkout_gets_its_own_build(monkeypatch, tmp_path):
+    """A build is for the CPU it was made on (-march=native) and names its checkout's paths:
+    another CPU's flags, or the same sources at another path, build apart."""
+    import io
+
+    import kernels.cpu as module
+
+    monkeypatch.delenv("SURGE_KERNEL_BUILD_DIR", raising=False)
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+    monkeypatch.setattr(module, "open", lambda *_: io.StringIO(flags), raising=False)
+    here = module.build_dir()
+    assert here == module.build_dir() and here.parent == module.build_dir().parent
+    flags = "flags\t\t: fpu sse2 avx2\n"  # the same checkout on a CPU without AVX-512
+    assert module.build_dir() != here
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+    monkeypatch.setattr(module, "__file__", str(tmp_path / "kernels" / "cpu" / "__init__.py"))
+    assert module.build_dir() != here
+
+
 # Head dims: the vector paths unroll 64 and 128; 80 takes their loops over 8- and 16-lane pieces.
 shapes = st.tuples(st.sampled_from([1, 16, 32]), st.sampled_from([(4, 4), (9, 3), (8, 1)]),
                    st.sampled_from([64, 80, 128]),

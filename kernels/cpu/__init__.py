@@ -3,7 +3,9 @@ in the virtual environment (`make` builds them ahead: see kernels.cpu.build)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sys
 import warnings
 from functools import cache
@@ -16,9 +18,18 @@ _SOURCES = ("bindings.cpp", "attention.cpp", "norm.cpp", "gemv.cpp", "amx.cpp", 
 
 
 def build_dir() -> Path:
-    """Inside the virtual environment: one build per environment (and per machine, as CI's
-    clean clone is), never written into the source tree."""
-    return Path(os.environ.get("SURGE_KERNEL_BUILD_DIR", Path(sys.prefix) / "surge-cpu-kernels"))
+    """Inside the virtual environment, never in the source tree: one build per CPU (a build for
+    another CPU's instructions could crash on this one) and per checkout using the environment
+    (a build names its sources' paths: a shared one would be rebuilt at each switch, under the
+    other checkout's running processes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        cpu = platform.processor()
+    tag = hashlib.sha256(f"{Path(__file__).resolve().parent}\n{cpu}".encode()).hexdigest()[:12]
+    return Path(os.environ.get("SURGE_KERNEL_BUILD_DIR",
+                               Path(sys.prefix) / f"surge-cpu-kernels-{tag}"))
 
 
 @cache
