@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 import typing
 from typing import Any, Literal
@@ -77,6 +78,7 @@ def load_config(
     flags = flags or {}
     env = os.environ if env is None else env
     merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    origin: dict[str, str] = {}  # "section.name" (or a table's "section"): where it was set
     path = flags.get("config") or env.get("SURGE_CONFIG")
     if path:
         try:
@@ -87,25 +89,40 @@ def load_config(
         for section, values in data.items():
             if section in TABLES and isinstance(values, dict):
                 merged[section] = values
+                origin[section] = path
                 continue
             if section not in merged or not isinstance(values, dict):
                 raise ConfigError(f"{path}: unknown section [{section}]; known: "
                                   f"{', '.join([*SECTIONS, *TABLES])}")
             merged[section].update(values)
+            origin.update({f"{section}.{name}": path for name in values})
     for name, (section, _) in _options().items():
         if f"SURGE_{name.upper()}" in env:
             merged[section][name] = env[f"SURGE_{name.upper()}"]
+            origin[f"{section}.{name}"] = f"SURGE_{name.upper()}"
         if flags.get(name) is not None:
             merged[section][name] = flags[name]
+            origin[f"{section}.{name}"] = "--" + name.replace("_", "-")
     try:
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid configuration: {e}") from e
-    if problem := oversized(cfg) or cfg.speculative.problem() or \
-            tenants_problem(cfg.tenants, cfg.batch) or \
+        raise ConfigError(f"invalid configuration: {e}{_set_by(origin, str(e))}") from e
+    if problem := oversized(cfg):
+        raise ConfigError(problem + _set_by(origin, problem))
+    if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch) or \
             pools_problem(cfg.pools, cfg.model.data_parallel_size):
         raise ConfigError(problem)
     return cfg
+
+
+def _set_by(origin: dict[str, str], problem: str) -> str:
+    """Where the value a problem names was set (its flag, variable or file), as its message's
+    tail: msgspec names it as `$.section.name`, oversized() as section.name."""
+    found = re.search(r"`\$\.([^`]+)`", problem) or re.match(r"([\w.-]+) = ", problem)
+    key = re.sub(r"\[[^]]*\]", "", found[1]) if found else ""  # a table's [...] entry
+    while key and key not in origin:
+        key = key.rpartition(".")[0]  # a table's entry was set with its table
+    return f" (set by {origin[key]})" if key else ""
 
 
 # The widest integer the processes' messages carry (msgpack's int64).

@@ -39,8 +39,15 @@ def test_env_config_path_and_bool_flags(tmp_path):
 @pytest.mark.parametrize(("argv", "env", "text", "message"), [
     (["--port", "70000"], {}, None, "port"),
     ([], {"SURGE_DTYPE": "int3"}, None, "dtype"),
-    ([], {"SURGE_MAX_NUM_SEQS": "many"}, None, "max_num_seqs"),
-    ([], {"SURGE_MAX_NUM_SEQS": str(2**64)}, None, r"max_num_seqs = \d+ is out of range"),
+    # Each names where the value was set: a flag, a variable, the file.
+    ([], {"SURGE_MAX_NUM_SEQS": "many"}, None, r"max_num_seqs.*\(set by SURGE_MAX_NUM_SEQS\)"),
+    (["--max-num-seqs", "many"], {"SURGE_MAX_NUM_SEQS": "8"}, None,
+     r"max_num_seqs.*\(set by --max-num-seqs\)"),
+    ([], {}, "[scheduler]\nmax_num_seqs = -3\n", r"max_num_seqs.*\(set by .*bad\.toml\)"),
+    ([], {}, "[tenants.alpha]\nweight = -1\n",
+     r"tenants\[\.\.\.\]\.weight.*\(set by .*bad\.toml\)"),
+    ([], {"SURGE_MAX_NUM_SEQS": str(2**64)}, None,
+     r"max_num_seqs = \d+ is out of range .*\(set by SURGE_MAX_NUM_SEQS\)"),
     ([], {}, "[nonsense]\nx = 1\n", "unknown section"),
     ([], {}, "[server]\nprot = 1\n", "prot"),
     ([], {}, "[server\n", "cannot read"),
