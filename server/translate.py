@@ -34,6 +34,7 @@ Body = CompletionRequest | ChatCompletionRequest
 _INLINE_TOKENIZE_CHARS = 4096
 _AT = re.compile(r"`\$\.([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
@@ -67,7 +68,10 @@ class RequestTranslator:
                    "ignored (the README's API section lists what is)" if unknown else ""
             raise ApiError(400, f"invalid request: {e}{hint}", param=param or None) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+            # msgspec calls a high surrogate without its low half "truncated" input.
+            why = "a string holds a UTF-16 surrogate (\\ud800-\\udbff) without its pair" \
+                if "truncated" in str(e) and _LONE_SURROGATE.search(raw) else e
+            raise ApiError(400, f"request body is not valid JSON: {why}") from None
         except RecursionError:  # msgspec's limit on nesting, e.g. in a field it skips
             raise ApiError(400, "request body is nested too deeply") from None
 

@@ -117,6 +117,17 @@ CASES = [
 ]
 
 
+def test_a_lone_surrogate_is_named_as_such(server):
+    """msgspec reads a high surrogate without its pair as truncated input: the 400 says what
+    the client sent instead."""
+    got, payload = _send(server, "lone surrogate", "/v1/completions",
+                         b'{"prompt": "a\\ud800b", "max_tokens": 2}')
+    assert got == 400 and "surrogate" in payload["error"]["message"], payload
+    got, payload = _send(server, "pair", "/v1/completions",
+                         b'{"prompt": "a\\ud83d\\ude00b", "max_tokens": 2}')
+    assert got == 200, payload
+
+
 def test_inputs_that_once_hurt_everyone_are_refused_alone(server):
     """Each case gets its clear 4xx while a long greedy stream runs beside them; the stream's
     text is the undisturbed one."""
