@@ -48,6 +48,9 @@ def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:
         if fields[name] is None:
             fields[name] = defaults.get(name, default)
     fields["top_k"] = max(int(fields["top_k"]), 0)
+    for name, value in fields.items():
+        if isinstance(value, float):
+            fields[name] = value + 0.0  # -0.0 is 0.0: one key, as one output
     if isinstance(body, ChatCompletionRequest):  # the same limit under either name
         fields["max_tokens"] = fields.pop("max_completion_tokens") or fields["max_tokens"]
         fields["parallel_tool_calls"] = body.many_tool_calls
@@ -71,9 +74,9 @@ def deterministic(body: Body, defaults: Mapping[str, float]) -> bool:
 
 def allowed(body: Body, headers: Mapping[str, str]) -> bool:
     """Whether the client lets the cache take part: `"cache": false` in the body, or
-    Cache-Control: no-cache or no-store, say no (neither read nor written)."""
-    directives = {d.strip().lower() for d in headers.get("Cache-Control", "").split(",")}
-    return body.cache and not directives & {"no-cache", "no-store"}
+    Cache-Control: no-cache, no-store or max-age=0, say no (neither read nor written)."""
+    directives = {d.replace(" ", "").lower() for d in headers.get("Cache-Control", "").split(",")}
+    return body.cache and not directives & {"no-cache", "no-store", "max-age=0"}
 
 
 class ResultCache:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from server.cache_store import MemoryStore
 from server.openai_types import ChatCompletionRequest, CompletionRequest
-from server.result_cache import IGNORED, cache_key, deterministic
+from server.result_cache import IGNORED, allowed, cache_key, deterministic
 
 SCOPE = "SmolLM2|0123456789abcdef|none|32|False|float32|"
 DEFAULTS: dict[str, float] = {}
@@ -160,6 +160,8 @@ def test_tenant_scope_and_endpoint_are_part_of_the_key():
     ({"top_k": -1}, {"top_k": 0}),  # both: off
     ({}, {"max_tokens": 16}),  # absent (or null): OpenAI's default
     ({"max_tokens": None}, {"max_tokens": 16}),
+    ({"temperature": -0.0}, {"temperature": 0}),  # equal numbers, one output
+    ({"temperature": -0.0, "presence_penalty": -0.0}, {"temperature": 0.0}),
 ])
 def test_spellings_of_one_request_share_a_key(same):
     base = {"prompt": "Hi", "seed": 3}
@@ -184,3 +186,11 @@ def test_only_greedy_or_seeded_requests_are_deterministic():
     assert not deterministic(_body({"prompt": "x", "temperature": 0.7}), {})
     assert not deterministic(_body({"prompt": "x"}), {})  # the default temperature is 1
     assert deterministic(_body({"prompt": "x"}), {"temperature": 0.0})  # the model's default
+
+
+def test_the_client_can_keep_a_request_out_of_the_cache():
+    body = _body({"prompt": "x", "temperature": 0})
+    assert allowed(body, {}) and allowed(body, {"Cache-Control": "max-age=60"})
+    for value in ("no-cache", "no-store", "max-age=0", "private, Max-Age = 0", "No-Cache"):
+        assert not allowed(body, {"Cache-Control": value}), value
+    assert not allowed(_body({"prompt": "x", "temperature": 0, "cache": False}), {})
