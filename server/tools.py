@@ -134,9 +134,10 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
         tools = [t for t in tools if t.function.name == choice.function.name]
     rules = []
     for i, t in enumerate(tools):
+        arguments = closed_objects(t.function.parameters or _NO_PARAMETERS)
         schema = {"type": "object", "properties": {
             "name": {"const": t.function.name},
-            fmt.arguments_key: closed_objects(t.function.parameters or _NO_PARAMETERS)},
+            fmt.arguments_key: _rebased(arguments, f"#/properties/{fmt.arguments_key}")},
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
@@ -150,6 +151,21 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     calls = f"call ({sep} call)*" if many else "call"
     start = " ".join(p for p in (opening, calls, closing) if p)
     return "\n".join([f"start: {start}", f"call: {call}", *rules])
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """A schema's own references ("#/$defs/Unit", "#") pointed at root, where it now sits
+    inside the call's schema (pydantic's tools refer to their $defs so)."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else v if k in _DATA else _rebased(v, root) for k, v in schema.items()}
 
 
 def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:

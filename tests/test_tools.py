@@ -315,3 +315,26 @@ def test_a_function_without_parameters_takes_empty_arguments(tokenizer):
     assert _accepts(named, call % "{}", tokenizer)
     assert not _accepts(named, call % '{"type": "object"}', tokenizer)
 
+
+
+def test_forced_calls_keep_a_tools_own_references(tokenizer):
+    """pydantic's tools (openai.pydantic_function_tool) keep enums and nested models in $defs
+    and refer to them from the parameters' root; inside the call's schema they still resolve."""
+    parameters = {"type": "object", "$defs": {
+        "Unit": {"enum": ["celsius", "fahrenheit"], "type": "string"},
+        "Leg": {"type": "object", "properties": {"to": {"type": "string"},
+                                                 "next": {"anyOf": [{"$ref": "#/$defs/Leg"},
+                                                                    {"type": "null"}]}},
+                "required": ["to", "next"]}},
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}, "leg": {"$ref": "#/$defs/Leg"},
+                       "note": {"const": {"$ref": "#/data"}}},
+        "required": ["unit", "leg", "note"]}
+    body = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "trip", "parameters": parameters}}],
+        "tool_choice": "required"}, ChatCompletionRequest)
+    grammar = tool_grammar(body, HERMES)
+    compile_grammar("lark", grammar)
+    call = ('<tool_call>\n{"name": "trip", "arguments": {"unit": "%s", "leg": {"to": "Oslo", '
+            '"next": {"to": "Rome", "next": null}}, "note": {"$ref": "#/data"}}}\n</tool_call>')
+    assert _accepts(grammar, call % "celsius", tokenizer)
+    assert not _accepts(grammar, call % "kelvin", tokenizer)
