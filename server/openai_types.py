@@ -129,6 +129,7 @@ ContentPart = TextPart | ImagePart | AudioPart
 class FunctionCall(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+    parsed_arguments: Any = None  # the client's own reading of arguments (parse())
 
 
 class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -141,9 +142,15 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None  # passed to the chat template, which may render it
-    # An assistant turn as OpenAI's responses carry it (replayed conversations): null only,
-    # as a refusal's text has no place in the chat template.
+    # An assistant turn as OpenAI's responses carry it (an agent loop appends
+    # `message.model_dump()`): refusal, audio and function_call null, annotations none, as what
+    # they would hold has no place in the chat template; parsed, the client's own reading of
+    # content (chat.completions.parse).
     refusal: None = None
+    annotations: Annotated[list[Any], Meta(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
+    parsed: Any = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 

@@ -35,6 +35,7 @@ _INLINE_TOKENIZE_CHARS = 4096
 _AT = re.compile(r"`\$\.([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+_TOP_LEVEL_NULL = re.compile(r"got `null` - at `\$\.\w+`$")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
@@ -55,7 +56,7 @@ class RequestTranslator:
         if not self.engine.ready.done():
             raise ApiError(503, "the model is still loading; retry shortly")
         try:
-            return msgspec.json.decode(raw, type=kind)
+            return _decoded(raw, kind)
         except msgspec.ValidationError as e:
             # "at `$.a.b`", or for a dict's key "at `key` in `$.a`"
             at = _AT.search(str(e))
@@ -289,6 +290,19 @@ class RequestTranslator:
             min_tokens=body.min_tokens, logprobs=logprobs, seed=body.seed, stop_token_ids=stops,
             prompt_logprobs=logprobs if isinstance(body, CompletionRequest) and body.echo
             else None)
+
+
+def _decoded(raw: bytes, kind: type[T]) -> T:
+    """The body as kind. A top-level null is the field's default, as OpenAI reads it (the
+    openai client sends `presence_penalty: null` for None): decoded again without them only
+    where one was refused, so a plain body is read once."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        if not _TOP_LEVEL_NULL.search(str(e)):
+            raise
+        fields = msgspec.json.decode(raw)
+        return msgspec.convert({k: v for k, v in fields.items() if v is not None}, kind)
 
 
 def _given(value: float | None, default: float) -> float:

@@ -420,6 +420,43 @@ def test_chat_bad_parameters(server):
     code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
         {"role": "assistant", "content": None, "refusal": "I can't."}]})
     assert code == 400 and payload["error"]["param"] == "messages", payload
+    # An agent loop appending `message.model_dump()` (of parse(), too): every field OpenAI's
+    # answer has, null or empty, and the client's own parse of the content and arguments.
+    dumped = {"role": "assistant", "content": '{"a": 1}', "refusal": None, "annotations": [],
+              "audio": None, "function_call": None, "parsed": {"a": 1},
+              "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "f", "arguments": "{}", "parsed_arguments": {}}}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for turn in (dumped, {**dumped, "annotations": None}):
+        code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "tools": tools,
+            "messages": [*CHAT[0], turn, {"role": "tool", "tool_call_id": "call_1",
+                                          "content": "done"}]})
+        assert code == 200, payload
+    # What those fields would carry has no place in a chat template: refused, not dropped.
+    for field, value in (("annotations", [{"type": "url_citation"}]),
+                         ("function_call", {"name": "f", "arguments": "{}"}),
+                         ("audio", {"id": "a1"})):
+        code, payload = server.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
+            *CHAT[0], {**dumped, "tool_calls": None, field: value}]})
+        assert code == 400 and field in payload["error"]["message"], (field, payload)
+
+
+def test_a_top_level_null_is_the_fields_default(server):
+    """The openai client sends None as null: n, the penalties, stream, logprobs... null are
+    their defaults, as OpenAI reads them; a required field null is still a 400."""
+    base = {"messages": CHAT[0], "max_tokens": 3, "temperature": 0}
+    _, want = server.post("/v1/chat/completions", base)
+    nulls = dict.fromkeys(("n", "presence_penalty", "frequency_penalty", "stream", "logprobs",
+                           "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "cache"))
+    code, payload = server.post("/v1/chat/completions", {**base, **nulls})
+    assert code == 200 and payload["choices"] == want["choices"], payload
+    code, payload = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                    "echo": None, "n": None})
+    assert code == 200 and len(payload["choices"]) == 1, payload
+    code, payload = server.post("/v1/chat/completions", {**base, "messages": None})
+    assert code == 400 and payload["error"]["param"] == "messages", payload
+    code, payload = server.post("/v1/chat/completions", {**base, "n": None, "top_p": "x"})
+    assert code == 400 and payload["error"]["param"] == "top_p", payload
 
 
 def test_body_too_large(server):
