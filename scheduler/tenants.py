@@ -87,9 +87,11 @@ class Tenant:
 
     def catch_up(self, tenants: Iterable[Tenant]) -> None:
         """A tenant back from idle starts at the lowest virtual time among the busy ones: no
-        credit for the time away, or it would starve the others."""
+        credit for the time away, or it would starve the others. Back to an idle engine, it
+        starts level with the tenant served most: what anyone got while nobody else wanted
+        anything counts for no one (those who come next catch up to it)."""
         if self.num_waiting + self.num_running:
             return
+        tenants = list(tenants)
         busy = [t.vtime for t in tenants if t.num_waiting + t.num_running]
-        if busy:
-            self.vtime = max(self.vtime, min(busy))
+        self.vtime = max(self.vtime, min(busy) if busy else max(t.vtime for t in tenants))

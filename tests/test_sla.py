@@ -207,6 +207,31 @@ def test_an_idle_tenant_leaves_its_share_to_the_others_and_banks_no_credit():
     assert 0.4 <= share <= 0.6, sim.served
 
 
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_after_an_idle_spell_of_everyone_history_counts_for_no_one(first):
+    """b is served alone, then everyone goes idle; when both come back, whichever is first,
+    the split follows the weights from the start: b's service while nobody else wanted any is
+    not held against it (nor a's absence credited to a)."""
+    tenants = {"a": TenantConfig(weight=3), "b": TenantConfig(weight=1)}
+    sim = Sim(_cfg(max_num_seqs=2, policy="fcfs"), tenants)
+    for _ in range(8):
+        sim.submit("b", max_tokens=64)
+    while len(sim.done) < 8:
+        sim.step()
+    for _ in range(50):  # idle
+        sim.step()
+    sim.submit(first, max_tokens=12)
+    sim.step()
+    for name in "ab":
+        for _ in range(12):
+            sim.submit(name, max_tokens=12)
+    sim.served.clear()
+    while sum(sim.served.values()) < 8 * 28:  # 16 + 12 tokens a request: both stay backlogged
+        sim.step()
+    share = sim.served.get("b", 0) / sum(sim.served.values())
+    assert 0.15 <= share <= 0.35, sim.served  # weight 1 of 4
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 120), st.floats(0.05, 2.0), st.integers(5, 60))
 def test_requests_per_min_is_exact(per_min, gap_s, seconds):
