@@ -7,6 +7,7 @@ import re
 import msgspec
 
 from surge.config import (
+    INHERITED,
     LIVE,
     LIVE_SECTION,
     TABLES,
@@ -50,7 +51,9 @@ def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> Su
         for table, entries in per_entry.items():
             tables[table] = {} if whole else dict(getattr(cfg, table))
             for name, fields in entries.items():
-                old = tables[table].get(name)
+                # A tenant without a table of its own has [tenants.default]'s values: a new
+                # table starts from them, so setting one field keeps the others it had.
+                old = tables[table].get(name) or tables[table].get(INHERITED.get(table, ""))
                 base = msgspec.to_builtins(old) if old is not None else {}
                 tables[table][name] = msgspec.convert({**base, **fields}, TABLES[table],
                                                       strict=False)

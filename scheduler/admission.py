@@ -14,7 +14,7 @@ import msgspec
 from scheduler.block_manager import BlockManager
 from scheduler.overload import Ladder, Step
 from scheduler.tenants import RateMeter, Tenant
-from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
+from surge.config import INHERITED, OverloadConfig, SchedulerConfig, TenantConfig
 from surge.protocol import EngineRequest, RequestOutput
 
 # Retry-After when there is no measured rate to estimate it from yet.
@@ -50,7 +50,8 @@ class Admission:
 
     def limits(self, name: str) -> TenantConfig:
         """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
-        return self.tenant_cfgs.get(name) or self.tenant_cfgs.get("default") or TenantConfig()
+        return self.tenant_cfgs.get(name) or self.tenant_cfgs.get(INHERITED["tenants"]) \
+            or TenantConfig()
 
     def tenant(self, name: str, now: float) -> Tenant:
         tenant = self.tenants.get(name)
@@ -60,7 +61,7 @@ class Admission:
 
     def table(self, name: str) -> str:
         """The [tenants.NAME] table a tenant's limits come from."""
-        return name if name in self.tenant_cfgs else "default"
+        return name if name in self.tenant_cfgs else INHERITED["tenants"]
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                   overload: OverloadConfig, now: float) -> None:

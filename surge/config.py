@@ -389,6 +389,8 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # The sections made of named tables, and the type of each table.
 TABLES: dict[str, type[Struct]] = {"tenants": TenantConfig, "pools": PoolConfig}
+# The entry whose values a name without a table of its own has ([tenants.default]).
+INHERITED = {"tenants": "default"}
 
 
 # The sections whose options are flags and SURGE_* variables.

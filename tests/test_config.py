@@ -150,3 +150,18 @@ def test_live_tenant_edits_are_checked_as_the_file_is():
                                                    {"tenants.bulk.max_concurrent": str(10**20)})
     edited = updated(cfg, {"tenants.bulk.priority": "99"})
     assert not isinstance(edited, str) and edited.tenants["bulk"].priority == 99
+
+
+def test_a_live_edit_of_a_tenant_without_a_table_keeps_what_it_inherited():
+    """guest had [tenants.default]'s limits; raising its weight must not lift them."""
+    from scheduler.admin import updated
+
+    cfg = load_config({}, {})
+    cfg = updated(cfg, {"tenants.default.max_concurrent": "2",
+                        "tenants.default.tokens_per_min": "3000"})
+    assert not isinstance(cfg, str)
+    edited = updated(cfg, {"tenants.guest.weight": "2"})
+    assert not isinstance(edited, str)
+    guest = edited.tenants["guest"]
+    assert (guest.weight, guest.max_concurrent, guest.tokens_per_min) == (2, 2, 3000)
+    assert edited.tenants["default"] == cfg.tenants["default"]
