@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from server.openai_types import (
     TokenizeRequest,
 )
 from server.request_body import read_json
-from server.request_log import logged
+from server.request_log import Account, logged
 from server.responses import (
     TokenText,
     cached_of,
@@ -100,25 +101,28 @@ class Frontend:
         request's, whose traceparent a trace continues."""
         breaker = self.engine.breaker
         probe = breaker.admit()
-        trace = None
-        prompt_tokens = sum(len(p) for p in prompts)
+        # A refusal says nothing of the engine: the breaker hears None.
+        account = Account(rid, sum(len(p) for p in prompts), tenant, self.translator.model_name,
+                          len(prompts) * body.n, breaker.finished if probe else None)
         try:
             grammar = await self.translator.grammar(body)
             requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
                                                        logprobs, tenant, grammar)
             if self.tracing is not None:
-                trace = self.tracing.start(
+                account.trace = self.tracing.start(
                     "chat" if isinstance(body, ChatCompletionRequest) else "completion", rid,
                     headers, {"surge.tenant": tenant, "surge.choices": len(requests),
                               "surge.priority": requests[0].priority or 0,
                               "gen_ai.request.model": self.translator.model_name})
             taken, degraded = await submit(self.engine, requests)
-        except BaseException as e:
+        except ApiError as e:  # refused: its access line is its account
             if probe:
-                breaker.finished(None)  # refused or cancelled: says nothing of the engine
-            if trace is not None:
-                trace.end(f"error {e.status}" if isinstance(e, ApiError) else "cancelled", [],
-                          prompt_tokens, 0)
+                breaker.finished(None)
+            if account.trace is not None:
+                account.trace.end(f"error {e.status}", [], account.prompt_tokens, 0)
+            raise
+        except BaseException as e:  # the client left before the engine took it, or a fault
+            account.settle("cancelled" if isinstance(e, asyncio.CancelledError) else "error 500")
             raise
         if degraded:
             metrics.degraded_responses.labels(self.translator.model_name).inc()
@@ -126,8 +130,19 @@ class Frontend:
         streams = [generate(self.engine, stream, self.tokenizer.hf, r.request_id, index,
                             r.prompt_token_ids, r.sampling, stop)
                    for index, (r, stream) in enumerate(zip(requests, taken, strict=True))]
-        return logged(merge(streams), rid, prompt_tokens, tenant, self.translator.model_name,
-                      len(streams), breaker.finished if probe else None, trace), degraded
+        # Pieces whose consumer never starts (the client gone before the answer's first
+        # byte): no generator's cleanup runs, so the requests are aborted, and the request
+        # accounted, as the task that asked for them ends.
+        ids = [r.request_id for r in requests]
+
+        def abandoned(_: asyncio.Task) -> None:
+            if not account.settled:
+                self.engine.abort(*ids)
+                account.settle("cancelled")
+
+        if (task := asyncio.current_task()) is not None:
+            task.add_done_callback(abandoned)
+        return logged(merge(streams), account), degraded
 
     async def respond(self, body: Body, kind: str, tenant: str, request: web.Request | None,
                       prompts: list[list[int]], max_tokens: int | None,
