@@ -121,6 +121,12 @@ class Admission:
         def queue_wait(ahead: int) -> float:
             return ahead / drain if drain else _DEFAULT_RETRY_S
 
+        floor = limits.priority if limits.min_priority is None else limits.min_priority
+        if priority < floor:
+            return refuse("priority", f"tenant {tenant.name!r} may ask for priority {floor} "
+                          f"or above (lower is more urgent), not {priority}; an operator can "
+                          f"allow it with tenants.{self.table(tenant.name)}.min_priority",
+                          None, 400)
         for limit, bound in (("max_concurrent", limits.max_concurrent),
                              ("max_queued", limits.max_queued),
                              ("max_queued_requests", self.cfg.max_queued_requests),

@@ -188,6 +188,7 @@ def _export_limits(sched: Scheduler, cfg: SurgeConfig) -> None:
     admission = sched.admission
     for name in {*admission.tenants, *cfg.tenants}:
         for field, value in msgspec.to_builtins(admission.limits(name)).items():
-            if not isinstance(value, str):  # degrade is a word (the ladder's series show it)
+            # degrade is a word (the ladder's series show it); an unset min_priority, none
+            if isinstance(value, int | float):
                 metrics.tenant_limit.labels(name, field).set(float(value))
 

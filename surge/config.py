@@ -305,6 +305,10 @@ class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
     weight: Annotated[float, Meta(gt=0, description="share of service when backlogged")] = 1.0
     priority: Annotated[int, Meta(description="priority of requests that give none")] = 0
+    # A tenant's requests may ask to be less urgent than its priority, not more, unless this
+    # lets them: the body's priority is the client's, the tenant's the operator's.
+    min_priority: Annotated[int | None, Meta(
+        description="most urgent priority its requests may ask for (unset: its priority)")] = None
     max_concurrent: Annotated[int, Meta(ge=0, description="requests queued or running")] = 0
     max_queued: Annotated[int, Meta(ge=0, description="requests waiting in the queue")] = 0
     requests_per_min: Annotated[float, Meta(ge=0, description="token bucket of requests")] = 0
@@ -441,9 +445,10 @@ def shown(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def flatten(cfg: SurgeConfig) -> dict[str, str]:
-    """Every live value as the text `set` takes (what a reload hands over)."""
+    """Every live value as the text `set` takes (what a reload hands over; an unset one, as
+    a tenant's min_priority may be, is left out)."""
     return {k: str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in live_values(cfg).items()}
+            for k, v in live_values(cfg).items() if v is not None}
 
 
 class ConfigError(ValueError):

@@ -120,6 +120,9 @@ def tenants_problem(tenants: dict[str, TenantConfig], batch: BatchConfig) -> str
                     f"batch_priority={batch.batch_priority}: batch lines must be less urgent "
                     f"than every tenant's own requests; lower the tenant's priority or raise "
                     f"--batch-priority")
+        if tenant.min_priority is not None and tenant.min_priority > tenant.priority:
+            return (f"tenants.{name}.min_priority={tenant.min_priority} is above its "
+                    f"priority={tenant.priority}: its requests that give none would be refused")
     return None
 
 

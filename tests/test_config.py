@@ -64,6 +64,8 @@ def test_env_config_path_and_bool_flags(tmp_path):
      r"tenants\.bulk\.priority=100 is not below batch_priority=100"),
     (["--batch-priority", "5"], {}, "[tenants.bulk]\npriority = 10\n",
      r"tenants\.bulk\.priority=10 is not below batch_priority=5"),
+    ([], {}, "[tenants.vip]\npriority = 0\nmin_priority = 1\n",
+     r"tenants\.vip\.min_priority=1 is above its priority=0"),
     # Requests of no named tenant run at the default tenant's priority (0).
     (["--batch-priority", "0"], {}, None,
      r"tenants\.\(default\)\.priority=0 is not below batch_priority=0"),

@@ -86,7 +86,8 @@ def _cfg(**kw: object) -> SchedulerConfig:
 
 
 def test_more_urgent_requests_start_first():
-    sim = Sim(_cfg(max_num_seqs=1, priority_aging_s=0))
+    sim = Sim(_cfg(max_num_seqs=1, priority_aging_s=0),
+              {"default": TenantConfig(min_priority=-1)})
     lax = [sim.submit(priority=5)[0] for _ in range(5)]
     urgent = [sim.submit(priority=-1)[0] for _ in range(3)]
     normal = [sim.submit()[0] for _ in range(3)]
@@ -97,7 +98,7 @@ def test_more_urgent_requests_start_first():
 
 
 def test_fcfs_ignores_priority_and_sjf_runs_short_jobs_first():
-    sim = Sim(_cfg(max_num_seqs=1, policy="fcfs"))
+    sim = Sim(_cfg(max_num_seqs=1, policy="fcfs"), {"default": TenantConfig(min_priority=-3)})
     ids = [sim.submit(priority=p)[0] for p in (5, 0, -3)]
     sim.run(20)
     assert sim.order == ids
@@ -205,6 +206,23 @@ def test_an_idle_tenant_leaves_its_share_to_the_others_and_banks_no_credit():
             break
     share = sim.served["b"] / sum(sim.served.values())
     assert 0.4 <= share <= 0.6, sim.served
+
+
+def test_a_request_may_not_be_more_urgent_than_its_tenant_allows():
+    """The body's priority is the client's; the tenant's is the operator's: less urgent is
+    always allowed, more urgent only down to min_priority."""
+    tenants = {"batch": TenantConfig(priority=10), "vip": TenantConfig(priority=5, min_priority=0)}
+    sim = Sim(_cfg(), tenants)
+    _, refusal = sim.submit("batch", priority=-5)
+    assert refusal is not None and refusal.status == 400
+    assert "'batch' may ask for priority 10 or above" in refusal.error
+    assert "tenants.batch.min_priority" in refusal.error
+    assert sim.submit("batch", priority=50)[1] is None and sim.submit("batch")[1] is None
+    assert sim.submit("vip", priority=0)[1] is None
+    assert sim.submit("vip", priority=-1)[1] is not None
+    # a tenant without a table: [tenants.default]'s, whose own priority is 0
+    _, refusal = sim.submit("other", priority=-1)
+    assert refusal is not None and "tenants.default.min_priority" in refusal.error
 
 
 @pytest.mark.parametrize("first", ["a", "b"])
