@@ -7,12 +7,12 @@ import re
 import msgspec
 
 from surge.config import (
-    INHERITED,
     LIVE,
     LIVE_SECTION,
     TABLES,
     SpeculativeConfig,
     SurgeConfig,
+    inherited,
     live_values,
     shown,
 )
@@ -51,10 +51,12 @@ def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> Su
         for table, entries in per_entry.items():
             tables[table] = {} if whole else dict(getattr(cfg, table))
             for name, fields in entries.items():
-                # A tenant without a table of its own has [tenants.default]'s values: a new
-                # table starts from them, so setting one field keeps the others it had.
-                old = tables[table].get(name) or tables[table].get(INHERITED.get(table, ""))
-                base = msgspec.to_builtins(old) if old is not None else {}
+                # A tenant without a table of its own has [tenants.default]'s limits: a new
+                # table starts from them, so setting one field keeps the others it had (a
+                # reload's tables are whole, as the file's).
+                old = tables[table].get(name)
+                base = msgspec.to_builtins(old) if old is not None else \
+                    {} if whole else inherited(table, tables[table])
                 tables[table][name] = msgspec.convert({**base, **fields}, TABLES[table],
                                                       strict=False)
     except msgspec.ValidationError as e:

@@ -12,7 +12,7 @@ import time
 import msgspec
 import zmq
 
-from surge.config import INHERITED, TABLES, is_secret
+from surge.config import TABLES, inherited, is_secret
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
@@ -94,9 +94,8 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
             name, _, field = rest.rpartition(".")
             entries = doc.setdefault(table, tomlkit.table(is_super_table=True))
             if name not in entries:  # as the server made it: from the table it inherited
-                inherited = entries.get(INHERITED.get(table, ""), {})
                 entries[name] = tomlkit.table()
-                entries[name].update({k: v for k, v in inherited.items()})
+                entries[name].update(inherited(table, entries))
             entries[name][field] = value
         else:
             doc.setdefault(section_of(key), tomlkit.table())[key] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -393,8 +394,20 @@ class SurgeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # The sections made of named tables, and the type of each table.
 TABLES: dict[str, type[Struct]] = {"tenants": TenantConfig, "pools": PoolConfig}
-# The entry whose values a name without a table of its own has ([tenants.default]).
+# The entry whose values a name without a table of its own has ([tenants.default]), but for
+# its webhooks: a tenant's batch events go only to receivers it names itself.
 INHERITED = {"tenants": "default"}
+_OWN_FIELDS = frozenset({"webhook_urls", "webhook_secret", "webhook_from_metadata"})
+
+
+def inherited(table: str, entries: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a new [table.NAME] starts from: its default entry's that are not each
+    entry's own (nothing where the table has no default entry)."""
+    default = entries.get(INHERITED.get(table, ""))
+    if default is None:
+        return {}
+    values = msgspec.to_builtins(default) if isinstance(default, Struct) else dict(default)
+    return {k: v for k, v in values.items() if k not in _OWN_FIELDS}
 
 
 # The sections whose options are flags and SURGE_* variables.

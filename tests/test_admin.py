@@ -201,7 +201,8 @@ def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
 
     config = tmp_path / "surge.toml"
     config.write_text('# operator notes\n[server]\nport = 9001  # our port\n'
-                      '[tenants.batch]\npriority = 10\n[tenants.default]\nmax_concurrent = 4\n')
+                      '[tenants.batch]\npriority = 10\n[tenants.default]\nmax_concurrent = 4\n'
+                      'webhook_urls = "https://hooks.example/default"\n')
     (tmp_path / "config").write_text(str(config))
     _persist(str(tmp_path), {"tenants.batch.weight": 3.0, "tenants.new.max_queued": 5,
                              "max_num_seqs": 2, "policy": "sjf"})
@@ -212,6 +213,7 @@ def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
     assert cfg.tenants["new"].max_queued == 5
     # A new table starts from [tenants.default]'s, as the server made it: the same after a restart.
     assert cfg.tenants["new"].max_concurrent == 4 and cfg.tenants["batch"].max_concurrent == 0
+    assert cfg.tenants["new"].webhook_urls == ""  # its webhooks are its own
     text = config.read_text()  # the rest of the file as it was
     assert text.startswith("# operator notes\n[server]\nport = 9001  # our port\n"), text
 

@@ -160,10 +160,28 @@ def test_a_live_edit_of_a_tenant_without_a_table_keeps_what_it_inherited():
 
     cfg = load_config({}, {})
     cfg = updated(cfg, {"tenants.default.max_concurrent": "2",
-                        "tenants.default.tokens_per_min": "3000"})
+                        "tenants.default.tokens_per_min": "3000",
+                        "tenants.default.webhook_urls": "https://hooks.example/default"})
     assert not isinstance(cfg, str)
     edited = updated(cfg, {"tenants.guest.weight": "2"})
     assert not isinstance(edited, str)
     guest = edited.tenants["guest"]
     assert (guest.weight, guest.max_concurrent, guest.tokens_per_min) == (2, 2, 3000)
     assert edited.tenants["default"] == cfg.tenants["default"]
+    assert guest.webhook_urls == ""  # a tenant's events go only to receivers it names
+
+
+def test_a_reload_builds_each_table_whole_as_the_file_does(tmp_path):
+    """A reload hands every table over whole: a tenant listed after [tenants.default] gets
+    nothing of default's it did not get at start (min_priority, here)."""
+    from scheduler.admin import updated
+    from surge.config import flatten
+
+    path = tmp_path / "surge.toml"
+    path.write_text("[tenants.default]\npriority = 5\nmin_priority = -100\n"
+                    "[tenants.acme]\npriority = 0\n")
+    cfg = load_config({"config": str(path)}, {})
+    assert cfg.tenants["acme"].min_priority is None
+    reloaded = updated(cfg, flatten(cfg), whole=True)
+    assert not isinstance(reloaded, str), reloaded
+    assert reloaded.tenants == cfg.tenants
