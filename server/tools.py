@@ -155,6 +155,9 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
 
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
 _DATA = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names (any, "default" too) to schemas.
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                    "dependentSchemas"})
 
 
 def _rebased(schema: Any, root: str) -> Any:
@@ -164,8 +167,15 @@ def _rebased(schema: Any, root: str) -> Any:
         return [_rebased(v, root) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-            else v if k in _DATA else _rebased(v, root) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = root + v[1:]
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: _rebased(sub, root) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else _rebased(v, root)
+    return out
 
 
 def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:

@@ -327,14 +327,18 @@ def test_forced_calls_keep_a_tools_own_references(tokenizer):
                                                                     {"type": "null"}]}},
                 "required": ["to", "next"]}},
         "properties": {"unit": {"$ref": "#/$defs/Unit"}, "leg": {"$ref": "#/$defs/Leg"},
-                       "note": {"const": {"$ref": "#/data"}}},
-        "required": ["unit", "leg", "note"]}
+                       "note": {"const": {"$ref": "#/data"}},
+                       # properties named as keywords whose values are data elsewhere
+                       "examples": {"type": "array", "items": {"$ref": "#/$defs/Unit"}},
+                       "default": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit", "leg", "note", "examples", "default"]}
     body = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "trip", "parameters": parameters}}],
         "tool_choice": "required"}, ChatCompletionRequest)
     grammar = tool_grammar(body, HERMES)
     compile_grammar("lark", grammar)
     call = ('<tool_call>\n{"name": "trip", "arguments": {"unit": "%s", "leg": {"to": "Oslo", '
-            '"next": {"to": "Rome", "next": null}}, "note": {"$ref": "#/data"}}}\n</tool_call>')
+            '"next": {"to": "Rome", "next": null}}, "note": {"$ref": "#/data"}, '
+            '"examples": ["celsius"], "default": "fahrenheit"}}\n</tool_call>')
     assert _accepts(grammar, call % "celsius", tokenizer)
     assert not _accepts(grammar, call % "kelvin", tokenizer)
