@@ -98,8 +98,8 @@ class ProtocolErrors(RequestHandler):
             # line says what was wrong.
             why = next((line.strip().rstrip(":") for line in (message or "").splitlines()
                         if line.strip()), "unreadable")
-            if isinstance(exc, LineTooLong):  # its first argument: the line's first 100 bytes
-                status, what = (414, "request target") if exc.args[0].startswith(b"/") \
+            if isinstance(exc, LineTooLong):
+                status, what = (414, "request target") if _is_target(exc.args[0]) \
                     else (431, "header")
                 why = f"a {what} longer than {exc.args[1]} bytes"
             access.info("malformed request %d", status, extra={
@@ -108,6 +108,14 @@ class ProtocolErrors(RequestHandler):
                                               "nothing was run")
         response.force_close()
         return response
+
+
+def _is_target(line: str | bytes | bytearray) -> bool:
+    """Whether an over-long line aiohttp quotes (its first 100 bytes; text in older versions)
+    is a request's target, alone ("/v1/...", "http://...") or with its method ("GET /...",
+    the pure-Python parser's), rather than a header."""
+    text = line.decode("latin-1") if isinstance(line, bytes | bytearray) else str(line)
+    return re.match(r"(?:[A-Z]+ )?(?:/|https?://)", text) is not None
 
 
 @web.middleware

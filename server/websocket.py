@@ -150,10 +150,12 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         return {"type": "done", "id": rid, "finish_reason": "cancelled",
                 "usage": usage(prompt_tokens, generated)}
 
-    def forget(rid: str, job: asyncio.Task) -> None:
+    def forget(rid: str, endpoint: str, job: asyncio.Task, started: float) -> None:
         jobs.pop(rid, None)
         if job.cancelled():  # cancelled before it ever ran: its own handler never said so
             asyncio.ensure_future(send(cancelled(rid)))
+            account(request, f"{_PATH} {endpoint}", f"WS {_PATH} {endpoint} {rid}", 499,
+                    started, socket_request_id=rid)
         if frontend.draining and not jobs:  # its last request is answered: nothing keeps it
             asyncio.ensure_future(_going_away(ws))
 
@@ -208,5 +210,7 @@ async def _dispatch(m: _Message, jobs: dict[str, asyncio.Task], serve: Any, erro
     elif not m.body:
         await error(m.id, 400, "a request needs a body")
     else:
+        started = time.monotonic()
         job = jobs[m.id] = asyncio.create_task(serve(m.id, m.endpoint, bytes(m.body)))
-        job.add_done_callback(lambda done, rid=m.id: forget(rid, done))
+        job.add_done_callback(lambda done, rid=m.id, endpoint=m.endpoint:
+                              forget(rid, endpoint, done, started))

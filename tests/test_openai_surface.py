@@ -559,6 +559,18 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
     assert server.output().count("malformed request 400") >= 2
 
 
+def test_an_overlong_line_is_told_a_target_or_a_header_in_each_parsers_quoting():
+    """The C parser quotes a target alone as bytes or a bytearray, the pure-Python one with its
+    method, older aiohttp as text; a header's name or value is none of those."""
+    from server.errors import _is_target
+
+    for line in (b"/v1/models?x", bytearray(b"/v1?x"), "GET /v1/models?x", "http://h/x",
+                 b"POST https://h/v1"):
+        assert _is_target(line), line
+    for line in (b"X-Big: xxx", "x" * 50, bytearray(b"Cookie"), "Status line is too long"):
+        assert not _is_target(line), line
+
+
 def test_an_overlong_request_target_or_header_gets_414_or_431(server):
     """Past aiohttp's 8,190-byte lines: RFC 9110's 414 and RFC 6585's 431, with the error body."""
     long = "x" * 9000
@@ -628,7 +640,18 @@ def test_websocket_instant_cancel_and_refused_fields(server):
                     break
         return got
 
+    def counts() -> list[float]:
+        return [server.metric("surge_requests_total", endpoint="/v1/stream completions",
+                              status=status) for status in ("499", "400", "200")]
+
+    before = counts()
     got = asyncio.run(asyncio.wait_for(main(), 60))
+    # The cancelled one counts once as 499, whether or not its task had started.
+    deadline = time.monotonic() + 10
+    while (grown := [a - b for a, b in zip(counts(), before, strict=True)]) != [1, 2, 1] \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert grown == [1, 2, 1]
     ends = [(m["id"], m["type"], m.get("finish_reason")) for m in got
             if m["type"] in ("done", "error")]
     assert ("x", "done", "cancelled") in ends and ("e", "error", None) in ends

@@ -22,9 +22,9 @@ def build_dir() -> Path:
     another CPU's instructions could crash on this one) and per checkout using the environment
     (a build names its sources' paths: a shared one would be rebuilt at each switch, under the
     other checkout's running processes)."""
-    try:
+    try:  # x86's "flags", ARM's "Features"
         with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
+            cpu = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         cpu = platform.processor()
     tag = hashlib.sha256(f"{Path(__file__).resolve().parent}\n{cpu}".encode()).hexdigest()[:12]
