@@ -111,11 +111,11 @@ class ProtocolErrors(RequestHandler):
 
 
 def _is_target(line: str | bytes | bytearray) -> bool:
-    """Whether an over-long line aiohttp quotes (its first 100 bytes; text in older versions)
-    is a request's target, alone ("/v1/...", "http://...") or with its method ("GET /...",
-    the pure-Python parser's), rather than a header."""
+    """Whether an over-long line aiohttp quotes (its first 100 bytes; older versions name it:
+    "Status line is too long") is a request's target, alone ("/v1/...", "http://...") or with
+    its method ("GET /...", the pure-Python parser's), rather than a header."""
     text = line.decode("latin-1") if isinstance(line, bytes | bytearray) else str(line)
-    return re.match(r"(?:[A-Z]+ )?(?:/|https?://)", text) is not None
+    return re.match(r"(?:[A-Z]+ )?(?:/|https?://)|Status line", text) is not None
 
 
 @web.middleware

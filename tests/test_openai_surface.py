@@ -565,9 +565,9 @@ def test_an_overlong_line_is_told_a_target_or_a_header_in_each_parsers_quoting()
     from server.errors import _is_target
 
     for line in (b"/v1/models?x", bytearray(b"/v1?x"), "GET /v1/models?x", "http://h/x",
-                 b"POST https://h/v1"):
+                 b"POST https://h/v1", "Status line is too long"):
         assert _is_target(line), line
-    for line in (b"X-Big: xxx", "x" * 50, bytearray(b"Cookie"), "Status line is too long"):
+    for line in (b"X-Big: xxx", "x" * 50, bytearray(b"Cookie"), "Header value is too long"):
         assert not _is_target(line), line
 
 
