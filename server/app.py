@@ -135,10 +135,10 @@ class Frontend:
         # accounted, as the task that asked for them ends.
         ids = [r.request_id for r in requests]
 
-        def abandoned(_: asyncio.Task) -> None:
-            if not account.settled:
+        def abandoned(task: asyncio.Task) -> None:
+            if not account.settled:  # the client left, or answering failed before reading
                 self.engine.abort(*ids)
-                account.settle("cancelled")
+                account.settle("cancelled" if task.cancelled() else "error 500")
 
         if (task := asyncio.current_task()) is not None:
             task.add_done_callback(abandoned)
