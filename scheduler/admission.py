@@ -121,8 +121,11 @@ class Admission:
         def queue_wait(ahead: int) -> float:
             return ahead / drain if drain else _DEFAULT_RETRY_S
 
-        floor = limits.priority if limits.min_priority is None else limits.min_priority
-        if priority < floor:
+        # Without API keys everyone is `default`, whose clients choose freely (as vLLM's);
+        # a named tenant may not be more urgent than its operator's priority by default.
+        floor = limits.min_priority if limits.min_priority is not None else \
+            None if tenant.name == INHERITED["tenants"] else limits.priority
+        if floor is not None and priority < floor:
             return refuse("priority", f"tenant {tenant.name!r} may ask for priority {floor} "
                           f"or above (lower is more urgent), not {priority}; an operator can "
                           f"allow it with tenants.{self.table(tenant.name)}.min_priority",

@@ -86,8 +86,7 @@ def _cfg(**kw: object) -> SchedulerConfig:
 
 
 def test_more_urgent_requests_start_first():
-    sim = Sim(_cfg(max_num_seqs=1, priority_aging_s=0),
-              {"default": TenantConfig(min_priority=-1)})
+    sim = Sim(_cfg(max_num_seqs=1, priority_aging_s=0))
     lax = [sim.submit(priority=5)[0] for _ in range(5)]
     urgent = [sim.submit(priority=-1)[0] for _ in range(3)]
     normal = [sim.submit()[0] for _ in range(3)]
@@ -98,7 +97,7 @@ def test_more_urgent_requests_start_first():
 
 
 def test_fcfs_ignores_priority_and_sjf_runs_short_jobs_first():
-    sim = Sim(_cfg(max_num_seqs=1, policy="fcfs"), {"default": TenantConfig(min_priority=-3)})
+    sim = Sim(_cfg(max_num_seqs=1, policy="fcfs"))
     ids = [sim.submit(priority=p)[0] for p in (5, 0, -3)]
     sim.run(20)
     assert sim.order == ids
@@ -209,8 +208,9 @@ def test_an_idle_tenant_leaves_its_share_to_the_others_and_banks_no_credit():
 
 
 def test_a_request_may_not_be_more_urgent_than_its_tenant_allows():
-    """The body's priority is the client's; the tenant's is the operator's: less urgent is
-    always allowed, more urgent only down to min_priority."""
+    """The body's priority is the client's; a named tenant's is the operator's: less urgent is
+    always allowed, more urgent only down to min_priority. `default` (every request without
+    API keys) chooses freely, as vLLM's clients do, unless its table sets min_priority."""
     tenants = {"batch": TenantConfig(priority=10), "vip": TenantConfig(priority=5, min_priority=0)}
     sim = Sim(_cfg(), tenants)
     _, refusal = sim.submit("batch", priority=-5)
@@ -223,6 +223,10 @@ def test_a_request_may_not_be_more_urgent_than_its_tenant_allows():
     # a tenant without a table: [tenants.default]'s, whose own priority is 0
     _, refusal = sim.submit("other", priority=-1)
     assert refusal is not None and "tenants.default.min_priority" in refusal.error
+    assert sim.submit("default", priority=-1000)[1] is None
+    fenced = Sim(_cfg(), {"default": TenantConfig(min_priority=-2)})
+    assert fenced.submit("default", priority=-2)[1] is None
+    assert fenced.submit("default", priority=-3)[1] is not None
 
 
 @pytest.mark.parametrize("first", ["a", "b"])
