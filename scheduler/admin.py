@@ -24,9 +24,11 @@ from surge.protocol import AdminReply, AdminRequest, EngineStats
 def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> SurgeConfig | str:
     """The configuration with values applied, or why not (then nothing changes). whole (a
     reload): the values' tenants and pools are all there are, as the file now has them."""
-    own: dict[str, dict[str, str]] = {section: {} for section in LIVE}
-    per_entry: dict[str, dict[str, dict[str, str]]] = {table: {} for table in TABLES}
-    for key, value in values.items():
+    own: dict[str, dict[str, str | None]] = {section: {} for section in LIVE}
+    per_entry: dict[str, dict[str, dict[str, str | None]]] = {table: {} for table in TABLES}
+    for key, text in values.items():
+        # "none" unsets a value that may be unset (a tenant's min_priority); others refuse it.
+        value = None if text.lower() in ("none", "null") else text
         section, _, rest = key.partition(".")
         name, _, field = rest.rpartition(".")
         if section in TABLES and name and field:

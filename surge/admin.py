@@ -96,9 +96,13 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
             if name not in entries:  # as the server made it: from the table it inherited
                 entries[name] = tomlkit.table()
                 entries[name].update(inherited(table, entries))
-            entries[name][field] = value
+            place = entries[name]
         else:
-            doc.setdefault(section_of(key), tomlkit.table())[key] = value
+            place, field = doc.setdefault(section_of(key), tomlkit.table()), key
+        if value is None:  # unset: TOML has no null, the key's absence is its default
+            place.pop(field, None)
+        else:
+            place[field] = value
     with open(path, "w") as f:
         tomlkit.dump(doc, f)
     return path

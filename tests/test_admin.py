@@ -214,6 +214,10 @@ def test_persist_writes_scheduler_values_and_tenant_tables(tmp_path):
     # A new table starts from [tenants.default]'s, as the server made it: the same after a restart.
     assert cfg.tenants["new"].max_concurrent == 4 and cfg.tenants["batch"].max_concurrent == 0
     assert cfg.tenants["new"].webhook_urls == ""  # its webhooks are its own
+    _persist(str(tmp_path), {"tenants.batch.min_priority": -3})
+    assert load_config({"config": str(config)}, {}).tenants["batch"].min_priority == -3
+    _persist(str(tmp_path), {"tenants.batch.min_priority": None})  # `set ...=none`
+    assert load_config({"config": str(config)}, {}).tenants["batch"].min_priority is None
     text = config.read_text()  # the rest of the file as it was
     assert text.startswith("# operator notes\n[server]\nport = 9001  # our port\n"), text
 

@@ -154,6 +154,16 @@ def test_live_tenant_edits_are_checked_as_the_file_is():
     assert not isinstance(edited, str) and edited.tenants["bulk"].priority == 99
 
 
+def test_none_unsets_a_value_that_may_be_unset():
+    from scheduler.admin import updated
+
+    cfg = updated(load_config({}, {}), {"tenants.vip.min_priority": "-5"})
+    assert not isinstance(cfg, str) and cfg.tenants["vip"].min_priority == -5
+    unset = updated(cfg, {"tenants.vip.min_priority": "none"})
+    assert not isinstance(unset, str) and unset.tenants["vip"].min_priority is None
+    assert updated(cfg, {"max_num_seqs": "null"}).startswith("max_num_seqs='null'")
+
+
 def test_a_live_edit_of_a_tenant_without_a_table_keeps_what_it_inherited():
     """guest had [tenants.default]'s limits; raising its weight must not lift them."""
     from scheduler.admin import updated
