@@ -48,15 +48,23 @@ def normalised(body: Body, defaults: Mapping[str, float]) -> dict[str, Any]:
         if fields[name] is None:
             fields[name] = defaults.get(name, default)
     fields["top_k"] = max(int(fields["top_k"]), 0)
-    for name, value in fields.items():
-        if isinstance(value, float):
-            fields[name] = value + 0.0  # -0.0 is 0.0: one key, as one output
     if isinstance(body, ChatCompletionRequest):  # the same limit under either name
         fields["max_tokens"] = fields.pop("max_completion_tokens") or fields["max_tokens"]
         fields["parallel_tool_calls"] = body.many_tool_calls
     elif fields["max_tokens"] is None:  # 0 (echo alone) stays 0
         fields["max_tokens"] = COMPLETION_MAX_TOKENS
-    return fields
+    return _unsigned_zeros(fields)
+
+
+def _unsigned_zeros(value: Any) -> Any:
+    """-0.0 as 0.0 wherever it is (a temperature, a logit_bias entry): one key, as one output."""
+    if isinstance(value, float):
+        return value + 0.0
+    if isinstance(value, dict):
+        return {k: _unsigned_zeros(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unsigned_zeros(v) for v in value]
+    return value
 
 
 def cache_key(scope: str, endpoint: str, tenant: str | None, body: Body,

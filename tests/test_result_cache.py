@@ -162,6 +162,7 @@ def test_tenant_scope_and_endpoint_are_part_of_the_key():
     ({"max_tokens": None}, {"max_tokens": 16}),
     ({"temperature": -0.0}, {"temperature": 0}),  # equal numbers, one output
     ({"temperature": -0.0, "presence_penalty": -0.0}, {"temperature": 0.0}),
+    ({"logit_bias": {"5": -0.0}}, {"logit_bias": {"5": 0}}),
 ])
 def test_spellings_of_one_request_share_a_key(same):
     base = {"prompt": "Hi", "seed": 3}
