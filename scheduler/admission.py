@@ -63,6 +63,19 @@ class Admission:
         """The [tenants.NAME] table a tenant's limits come from."""
         return name if name in self.tenant_cfgs else INHERITED["tenants"]
 
+    def too_urgent(self, tenant: Tenant, priority: int) -> str | None:
+        """Why a request may not ask for priority (None: it may). Without API keys everyone
+        is `default`, whose clients choose freely (as vLLM's); a named tenant may not be more
+        urgent than its operator's priority unless its min_priority allows."""
+        limits = tenant.cfg
+        floor = limits.min_priority if limits.min_priority is not None else \
+            None if tenant.name == INHERITED["tenants"] else limits.priority
+        if floor is None or priority >= floor:
+            return None
+        return (f"tenant {tenant.name!r} may ask for priority {floor} or above (lower is more "
+                f"urgent), not {priority}; an operator can allow it with "
+                f"tenants.{self.table(tenant.name)}.min_priority")
+
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                   overload: OverloadConfig, now: float) -> None:
         """New live values, from the next arrival and step on."""
@@ -121,15 +134,8 @@ class Admission:
         def queue_wait(ahead: int) -> float:
             return ahead / drain if drain else _DEFAULT_RETRY_S
 
-        # Without API keys everyone is `default`, whose clients choose freely (as vLLM's);
-        # a named tenant may not be more urgent than its operator's priority by default.
-        floor = limits.min_priority if limits.min_priority is not None else \
-            None if tenant.name == INHERITED["tenants"] else limits.priority
-        if floor is not None and priority < floor:
-            return refuse("priority", f"tenant {tenant.name!r} may ask for priority {floor} "
-                          f"or above (lower is more urgent), not {priority}; an operator can "
-                          f"allow it with tenants.{self.table(tenant.name)}.min_priority",
-                          None, 400)
+        if (why := self.too_urgent(tenant, priority)) is not None:
+            return refuse("priority", why, None, 400)
         for limit, bound in (("max_concurrent", limits.max_concurrent),
                              ("max_queued", limits.max_queued),
                              ("max_queued_requests", self.cfg.max_queued_requests),

@@ -33,6 +33,14 @@ class Fleet:
         """The replica for one API request's engine requests (all on one, admitted as a
         unit there), or the refusal each of them gets: a global limit, or no replica."""
         first = requests[0]
+        # Before routing, which picks a pool by the priority: one it may not ask for is the
+        # client's fault (400), not a missing pool (503).
+        admission = self.limits.admission
+        tenant = admission.tenant(first.tenant, now)
+        if (why := admission.too_urgent(tenant, self.priority(first))) is not None:
+            admission.rejected[(tenant.name, "priority")] += 1
+            self._count_rejections()
+            return RequestOutput(first.request_id, [], "error", why, status=400)
         hashes = self.router.hashes(first.prompt_token_ids)
         try:
             replica = self.router.choose(hashes, self.priority(first), now)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from server.limits import GlobalLimits
 from surge.config import SchedulerConfig, TenantConfig
-from surge.protocol import EngineRequest, SamplingParams
+from surge.protocol import EngineRequest, RequestOutput, SamplingParams
 
 
 def _req(rid: str, tenant: str = "t", prompt: int = 4, priority: int | None = None
@@ -114,3 +114,27 @@ def test_counts_match_the_requests_held(ops):
                 sum(1 for t in held.values() if t == name)
         assert sum(1 for t in held.values() if t == "t") <= 3
         assert limits.waiting.num_tokens == 4 * len(limits.waiting)
+
+
+def test_a_priority_the_tenant_may_not_ask_for_is_a_400_before_any_pool_is_chosen():
+    """With pools by priority, one more urgent than a named tenant may ask for is its
+    client's fault (400), not a missing pool (503); one a pool serves is routed."""
+    import msgspec
+
+    from server.fleet import Fleet
+    from surge.config import PoolConfig
+    from surge.config_load import load_config
+
+    cfg = load_config({}, {})
+    cfg = msgspec.structs.replace(
+        cfg, tenants={"t": TenantConfig(priority=5)},
+        pools={"only": PoolConfig(replicas="0-1", min_priority=0, max_priority=100)},
+        model=msgspec.structs.replace(cfg.model, data_parallel_size=2))
+    fleet = Fleet(cfg, 0.0)
+    refusal = fleet.place([_req("a", priority=-5)], 0.0)
+    assert not isinstance(refusal, int) and refusal.status == 400, refusal
+    assert "may ask for priority 5 or above" in refusal.error
+    assert isinstance(fleet.place([_req("b", priority=7)], 0.0), int)
+    # default chooses freely: past the floor, and then no pool serves -5
+    unrouted = fleet.place([_req("c", tenant="default", priority=-5)], 0.0)
+    assert isinstance(unrouted, RequestOutput) and unrouted.status == 503
