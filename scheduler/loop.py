@@ -50,7 +50,12 @@ class WorkerError(RuntimeError):
 
 
 class WorkerLost(RuntimeError):
-    """A worker died; the supervisor is starting another."""
+    """A worker died; the supervisor is starting another. blames: whether the plans in
+    flight may have killed it (not when its replacement was already up as they were sent)."""
+
+    def __init__(self, message: str, blames: bool = True) -> None:
+        super().__init__(message)
+        self.blames = blames
 
 
 class SchedulerLoop:
@@ -103,6 +108,15 @@ class SchedulerLoop:
                 self.worker_decoder.decode(self.results.recv())
             if not self._current(msg):
                 continue
+            if isinstance(msg, WorkerReady) and msg.generation != self.generation:
+                if msg.generation < self.generation:
+                    continue  # a group already replaced, up late
+                # A newer group is up before the report of its predecessor's death reached
+                # us (ZeroMQ takes its senders in turn, not in order): that death first.
+                self._early.appendleft(msg)
+                error = f"the workers were replaced (generation {msg.generation} is up)"
+                self._lost(error, msg.generation - 1)
+                raise WorkerLost(error, blames=False)
             if isinstance(msg, WorkerFailed):
                 error = f"worker {msg.rank} failed: {msg.error}"
                 if msg.fatal:
@@ -234,7 +248,7 @@ class SchedulerLoop:
             try:
                 self._step(inflight, depth)
             except WorkerLost as e:
-                crashed = list(inflight)  # those plans died with the worker
+                crashed = list(inflight) if e.blames else []  # died with the worker
                 inflight.clear()
                 self._recover(e, crashed)
                 self._stalled = self._continuous = False

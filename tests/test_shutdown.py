@@ -208,6 +208,29 @@ def test_deterministic_bf16_recovery_and_batching_give_the_same_text(tmp_path):
         assert server.stop() == 0, server.output()
 
 
+def test_workers_replaced_twice_while_idle_then_serve(tmp_path):
+    """Both deaths reach an idle scheduler at once, the second group's ready report possibly
+    ahead of the report of its predecessor's death (ZeroMQ takes its senders in turn): it
+    recovers to the newest group, blames no request, and serves (it crashed on a ready report
+    it took for a step's result)."""
+    server = ServerProcess(env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
+    try:
+        for _ in range(2):
+            dead = _worker_pid(server)
+            os.kill(dead, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while _workers(server).get("surge: worker 0", dead) == dead:
+                assert time.monotonic() < deadline, server.output()
+                time.sleep(0.2)
+            time.sleep(5)  # loaded, and ready: its report waits for the scheduler
+        for prompt in ("hi", "hello"):
+            status, answer = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 3})
+            assert status == 200, (answer, server.output()[-3000:])
+        assert "Traceback" not in server.output() and "crashed the worker" not in server.output()
+    finally:
+        server.stop()
+
+
 def test_worker_dying_too_often_ends_every_request_with_503(tmp_path):
     server = ServerProcess("--max-worker-restarts", "0",
                            env={"XDG_RUNTIME_DIR": str(tmp_path)}).wait_ready()
