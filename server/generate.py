@@ -74,32 +74,43 @@ async def generate(engine: EngineClient, stream: asyncio.Queue[RequestOutput],
             finished = out.finish_reason is not None
             if out.finish_reason in ("error", "abort"):
                 raise refusal(out)
-            reason = out.finish_reason
             if out.queued_s is not None:
                 timing = (out.queued_s, out.cached_tokens or 0)
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs
-            shown = out.new_token_ids
-            if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
-                shown = shown[:-1]  # the stop token itself is not part of the text
-            text = detok.step(shown, final=finished)
-            generated += len(out.new_token_ids)
-            # Like stop tokens, stop strings only count once min_tokens are out.
-            if stops is not None and generated >= sampling.min_tokens:
-                text, hit = stops.feed(text, final=finished)
-                if hit:
-                    if not finished:
-                        engine.abort(request_id)
-                    finished, reason = True, "stop"
-            uncounted += len(out.new_token_ids)
-            if out.logprobs:
-                held_ids += out.new_token_ids
-                held_logprobs += out.logprobs
-            if text or finished:
-                yield Piece(index, text, uncounted, reason, held_ids, held_logprobs, timing,
-                            prompt_logprobs)
-                uncounted, held_ids, held_logprobs, timing = 0, [], [], None
-                prompt_logprobs = None
+            ids, lps = out.new_token_ids, out.logprobs or []
+            # With stop strings, a speculative step's tokens one at a time: the text, its
+            # usage and its logprobs end at the token that completes the stop string.
+            steps = [(ids[i:i + 1], lps[i:i + 1]) for i in range(len(ids))] \
+                if stops is not None and len(ids) > 1 else [(ids, lps)]
+            for n, (step_ids, step_lps) in enumerate(steps):
+                last = n == len(steps) - 1
+                done = finished and last
+                reason = out.finish_reason if last else None
+                shown = step_ids
+                if reason == "stop" and shown and shown[-1] in sampling.stop_token_ids:
+                    shown = shown[:-1]  # the stop token itself is not part of the text
+                text = detok.step(shown, final=done)
+                generated += len(step_ids)
+                # Like stop tokens, stop strings only count once min_tokens are out.
+                if stops is not None and generated >= sampling.min_tokens:
+                    text, hit = stops.feed(text, final=done)
+                    if hit:
+                        if not finished:
+                            engine.abort(request_id)
+                        done, reason = True, "stop"
+                uncounted += len(step_ids)
+                if step_lps:
+                    held_ids += step_ids
+                    held_logprobs += step_lps
+                if text or done:
+                    yield Piece(index, text, uncounted, reason, held_ids, held_logprobs,
+                                timing, prompt_logprobs)
+                    uncounted, held_ids, held_logprobs, timing = 0, [], [], None
+                    prompt_logprobs = None
+                if done:
+                    finished = True
+                    break
     finally:
         if not finished:
             engine.abort(request_id)

@@ -75,3 +75,34 @@ def test_chat_bytes_rebuild_the_text(tokenizer, token_text):
     tops = content[0]["top_logprobs"]
     assert len({e["token"] for e in tops}) == 2
     assert all(bytes(e["bytes"]).decode("utf-8", "backslashreplace") == e["token"] for e in tops)
+
+
+def test_a_stop_string_inside_a_speculative_step_ends_usage_and_logprobs_there(tokenizer):
+    """A speculative step brings several tokens at once: the text, the tokens counted and the
+    logprobs all end at the token that completes the stop string (the text did; the counts
+    and logprobs went on to the step's end)."""
+    import asyncio
+
+    from server.generate import generate
+    from surge.protocol import RequestOutput, SamplingParams
+
+    ids = tokenizer.encode(" apple, banana, apple, cherry")
+    stop_at = next(i for i in range(len(ids))
+                   if "banana" in tokenizer.hf.decode(ids[:i + 1]))
+    lps = [TokenLogprobs(-float(i), [], []) for i in range(len(ids))]
+    aborted: list[str] = []
+
+    async def main() -> list[Piece]:
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        stream.put_nowait(RequestOutput("r", ids, None, logprobs=lps))  # one step, all of it
+        engine = type("Engine", (), {"abort": lambda self, rid: aborted.append(rid)})()
+        return [p async for p in generate(engine, stream, tokenizer.hf, "r", 0, [1],
+                                          SamplingParams(max_tokens=64, logprobs=0),
+                                          ["ana"])]
+
+    pieces = asyncio.run(main())
+    assert "".join(p.text for p in pieces) == " apple, b"
+    assert pieces[-1].finish_reason == "stop" and aborted == ["r"]
+    assert sum(p.num_tokens for p in pieces) == stop_at + 1
+    assert [lp.logprob for p in pieces for lp in p.logprobs] == [-float(i)
+                                                                for i in range(stop_at + 1)]
