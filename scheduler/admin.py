@@ -6,17 +6,9 @@ import re
 
 import msgspec
 
-from surge.config import (
-    LIVE,
-    LIVE_SECTION,
-    TABLES,
-    SpeculativeConfig,
-    SurgeConfig,
-    inherited,
-    live_values,
-    shown,
-)
+from surge.config import TABLES, SpeculativeConfig, SurgeConfig
 from surge.config_frontend import pools_problem, tenants_problem
+from surge.config_live import LIVE, LIVE_SECTION, inherited, live_values, shown
 from surge.config_load import oversized
 from surge.protocol import AdminReply, AdminRequest, EngineStats
 

@@ -14,7 +14,8 @@ import msgspec
 from scheduler.block_manager import BlockManager
 from scheduler.overload import Ladder, Step
 from scheduler.tenants import RateMeter, Tenant
-from surge.config import INHERITED, OverloadConfig, SchedulerConfig, TenantConfig
+from surge.config import OverloadConfig, SchedulerConfig, TenantConfig
+from surge.config_live import INHERITED
 from surge.protocol import EngineRequest, RequestOutput
 
 # Retry-After when there is no measured rate to estimate it from yet.

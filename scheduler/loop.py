@@ -14,7 +14,8 @@ from scheduler import admin
 from scheduler.scheduler import Scheduler
 from scheduler.stats import StatsCollector
 from shm.ring import RingBuffer, RingClosed
-from surge.config import SurgeConfig, shown
+from surge.config import SurgeConfig
+from surge.config_live import shown
 from surge.model_files import served_name
 from surge.process import child_setup
 from surge.protocol import (

@@ -11,7 +11,8 @@ from prometheus_client import Counter
 from scheduler.scheduler import Scheduler
 from scheduler.signals import Signals
 from surge import metrics
-from surge.config import LIVE_SECTION, AutoscaleConfig, SurgeConfig
+from surge.config import AutoscaleConfig, SurgeConfig
+from surge.config_live import LIVE_SECTION
 from surge.protocol import BreakerState, EngineStats, RequestOutput, StepPlan, StepResult
 
 # The snapshot's running totals that Prometheus counters follow (per model, engine-wide).

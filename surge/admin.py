@@ -12,7 +12,8 @@ import time
 import msgspec
 import zmq
 
-from surge.config import TABLES, inherited, is_secret
+from surge.config import TABLES
+from surge.config_live import inherited, is_secret
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode

@@ -17,7 +17,8 @@ import setproctitle
 import zmq
 
 from shm.ring import RingBuffer
-from surge.config import SurgeConfig, flatten
+from surge.config import SurgeConfig
+from surge.config_live import flatten
 from surge.log import announce, setup_logging
 from surge.process import title
 from surge.protocol import WorkerFailed, encode

@@ -185,7 +185,7 @@ def test_a_reload_builds_each_table_whole_as_the_file_does(tmp_path):
     """A reload hands every table over whole: a tenant listed after [tenants.default] gets
     nothing of default's it did not get at start (min_priority, here)."""
     from scheduler.admin import updated
-    from surge.config import flatten
+    from surge.config_live import flatten
 
     path = tmp_path / "surge.toml"
     path.write_text("[tenants.default]\npriority = 5\nmin_priority = -100\n"
