@@ -15,7 +15,7 @@ from typing import Any
 from server.errors import ApiError
 from server.openai_types import ChatCompletionRequest, TextPart, ToolChoiceNamed
 from server.tool_parsers import CLOSE, OPEN, ToolFormat, ToolParser, parser_for
-from surge.grammar import closed_objects
+from surge.grammar import closed_objects, rebased
 
 _SYSTEM = (
     "You may call one or more functions to assist with the user query. You are provided with "
@@ -137,7 +137,7 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
         arguments = closed_objects(t.function.parameters or _NO_PARAMETERS)
         schema = {"type": "object", "properties": {
             "name": {"const": t.function.name},
-            fmt.arguments_key: _rebased(arguments, f"#/properties/{fmt.arguments_key}")},
+            fmt.arguments_key: rebased(arguments, f"#/properties/{fmt.arguments_key}")},
             "required": ["name", fmt.arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
@@ -151,31 +151,6 @@ def tool_grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     calls = f"call ({sep} call)*" if many else "call"
     start = " ".join(p for p in (opening, calls, closing) if p)
     return "\n".join([f"start: {start}", f"call: {call}", *rules])
-
-
-# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
-_DATA = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose values map names (any, "default" too) to schemas.
-_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                    "dependentSchemas"})
-
-
-def _rebased(schema: Any, root: str) -> Any:
-    """A schema's own references ("#/$defs/Unit", "#") pointed at root, where it now sits
-    inside the call's schema (pydantic's tools refer to their $defs so)."""
-    if isinstance(schema, list):
-        return [_rebased(v, root) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
-            out[k] = root + v[1:]
-        elif k in _NAMED and isinstance(v, dict):
-            out[k] = {name: _rebased(sub, root) for name, sub in v.items()}
-        else:
-            out[k] = v if k in _DATA else _rebased(v, root)
-    return out
 
 
 def tool_parsers(body: ChatCompletionRequest, fmt: ToolFormat, n: int) -> list[ToolParser] | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,9 +43,25 @@ _REASONS = {"NoExtensionBias": "no token can continue the output (the constraint
 _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
         "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items", "allOf")
 _OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _SHARING = ("allOf", "anyOf", "oneOf", "$ref", "dependentSchemas")
+
+
+def _each_subschema(schema: dict, fn: Callable[[Any, str], Any]) -> dict:
+    """A copy of schema with fn(subschema, keyword) in place of each schema it holds (never
+    a value that is data, such as a const's, whatever its keys)."""
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key], key)
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(s, key) for name, s in out[key].items()}
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(s, key) for s in out[key]]
+    return out
 
 
 def closed_objects(schema: Any, joined: bool = False) -> Any:
@@ -56,22 +73,25 @@ def closed_objects(schema: Any, joined: bool = False) -> Any:
     members of its anyOf and oneOf (a tagged union's)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    union = "properties" in schema
+    out = _each_subschema(schema, lambda s, key: closed_objects(
+        s, joined=key == "allOf" or (union and key in ("anyOf", "oneOf"))))
     shared = any(k in out for k in _SHARING)
     if "properties" in out and not (joined or shared) and not any(k in out for k in _OPEN):
         out["additionalProperties"] = False
-    for key in _ONE:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    for key in _LIST:
-        if isinstance(out.get(key), list):
-            union = key in ("anyOf", "oneOf") and "properties" in out
-            out[key] = [closed_objects(s, joined=union) for s in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(s, joined=True) for s in out["allOf"]]
+    return out
+
+
+def rebased(schema: Any, root: str) -> Any:
+    """A schema's own references ("#/$defs/Unit", "#") pointed at root, where it now sits
+    inside a larger schema (a tool's parameters inside its call's: pydantic's tools refer to
+    their $defs so)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = _each_subschema(schema, lambda s, _: rebased(s, root))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
     return out
 
 
