@@ -142,8 +142,12 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
             await error(rid, 500, "internal error; see the server log")
         finally:
             frontend.in_flight -= 1
-            account(request, f"{_PATH} {endpoint}", f"WS {_PATH} {endpoint} {rid}", status,
-                    started, socket_request_id=rid)
+            accounted(rid, endpoint, status, started)
+
+    def accounted(rid: str, endpoint: str, status: int, started: float) -> None:
+        """One request on the socket: its access line and count, as an HTTP request's."""
+        account(request, f"{_PATH} {endpoint}", f"WS {_PATH} {endpoint} {rid}", status,
+                started, socket_request_id=rid)
 
     def cancelled(rid: str, prompt_tokens: int = 0, generated: int = 0) -> dict:
         """A cancel's done frame, with what the request had used (nothing, if it never ran)."""
@@ -154,8 +158,7 @@ async def stream_socket(frontend: Service, request: web.Request) -> web.WebSocke
         jobs.pop(rid, None)
         if job.cancelled():  # cancelled before it ever ran: its own handler never said so
             asyncio.ensure_future(send(cancelled(rid)))
-            account(request, f"{_PATH} {endpoint}", f"WS {_PATH} {endpoint} {rid}", 499,
-                    started, socket_request_id=rid)
+            accounted(rid, endpoint, 499, started)
         if frontend.draining and not jobs:  # its last request is answered: nothing keeps it
             asyncio.ensure_future(_going_away(ws))
 
