@@ -82,7 +82,14 @@ def _check_model(model: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    # argparse stops taking an admin command's ARGs at its first flag (`set --persist K=V`):
+    # the ones after it come back here, and count as well as those before.
+    if rest and args.command == "admin" and not any(a.startswith("-") for a in rest):
+        args.values += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         try:
             cfg = load_config(vars(args))

@@ -74,7 +74,8 @@ def test_admin_round_trip(tmp_path):
         (a_first, a_end), (b_first, b_end) = _two_requests_at_once(server.url)
         assert b_first < a_end
         # ...until max_num_seqs=1 serialises them, live, without a restart.
-        code, reply = _admin(env, port, "set", "max_num_seqs=1", "--persist")
+        # (--persist before the pairs: argparse alone would stop taking them at the flag)
+        code, reply = _admin(env, port, "set", "--persist", "max_num_seqs=1")
         assert code == 0 and reply["values"]["max_num_seqs"] == 1
         (a_first, a_end), (b_first, b_end) = _two_requests_at_once(server.url)
         assert b_first >= a_end - 0.05
