@@ -38,6 +38,25 @@ class Waiting(Protocol):
     def __iter__(self) -> Iterator[Queued]: ...
 
 
+def limits_of(tenants: dict[str, TenantConfig], name: str) -> TenantConfig:
+    """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
+    return tenants.get(name) or tenants.get(INHERITED["tenants"]) or TenantConfig()
+
+
+def too_urgent(tenants: dict[str, TenantConfig], name: str, priority: int) -> str | None:
+    """Why tenant `name` may not ask for priority (None: it may). Without API keys everyone is
+    `default`, whose clients choose freely (as vLLM's); a named tenant may not be more urgent
+    than its operator's priority unless its min_priority allows."""
+    limits = limits_of(tenants, name)
+    floor = limits.min_priority if limits.min_priority is not None else \
+        None if name == INHERITED["tenants"] else limits.priority
+    if floor is None or priority >= floor:
+        return None
+    table = name if name in tenants else INHERITED["tenants"]
+    return (f"tenant {name!r} may ask for priority {floor} or above (lower is more urgent), "
+            f"not {priority}; an operator can allow it with tenants.{table}.min_priority")
+
+
 class Admission:
     def __init__(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                  overload: OverloadConfig, now: float) -> None:
@@ -50,9 +69,7 @@ class Admission:
         self.ladder = Ladder(overload, tenants, now)
 
     def limits(self, name: str) -> TenantConfig:
-        """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
-        return self.tenant_cfgs.get(name) or self.tenant_cfgs.get(INHERITED["tenants"]) \
-            or TenantConfig()
+        return limits_of(self.tenant_cfgs, name)
 
     def tenant(self, name: str, now: float) -> Tenant:
         tenant = self.tenants.get(name)
@@ -63,19 +80,6 @@ class Admission:
     def table(self, name: str) -> str:
         """The [tenants.NAME] table a tenant's limits come from."""
         return name if name in self.tenant_cfgs else INHERITED["tenants"]
-
-    def too_urgent(self, tenant: Tenant, priority: int) -> str | None:
-        """Why a request may not ask for priority (None: it may). Without API keys everyone
-        is `default`, whose clients choose freely (as vLLM's); a named tenant may not be more
-        urgent than its operator's priority unless its min_priority allows."""
-        limits = tenant.cfg
-        floor = limits.min_priority if limits.min_priority is not None else \
-            None if tenant.name == INHERITED["tenants"] else limits.priority
-        if floor is None or priority >= floor:
-            return None
-        return (f"tenant {tenant.name!r} may ask for priority {floor} or above (lower is more "
-                f"urgent), not {priority}; an operator can allow it with "
-                f"tenants.{self.table(tenant.name)}.min_priority")
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                   overload: OverloadConfig, now: float) -> None:
@@ -135,7 +139,7 @@ class Admission:
         def queue_wait(ahead: int) -> float:
             return ahead / drain if drain else _DEFAULT_RETRY_S
 
-        if (why := self.too_urgent(tenant, priority)) is not None:
+        if (why := too_urgent(self.tenant_cfgs, tenant.name, priority)) is not None:
             return refuse("priority", why, None, 400)
         for limit, bound in (("max_concurrent", limits.max_concurrent),
                              ("max_queued", limits.max_queued),

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from scheduler.admission import too_urgent
 from server.auth import auth_middleware
 from server.connections import ConnectionGuard, connection_limit
 from server.context_keys import MAX_BODY_BYTES, TENANT
@@ -253,6 +254,10 @@ class Frontend:
         if cache is None:
             return *await self.run(body, rid, prompts, max_tokens, logprobs, tenant, headers), None
         key = cache.key(kind, tenant, body, headers)
+        # A kept answer is no way round the tenant's priority floor (the scheduler's check).
+        if body.priority is not None and \
+                (why := too_urgent(self.engine.tenants, tenant, body.priority)) is not None:
+            raise ApiError(400, why)
         if key and (kept := await cache.get(key)):
             log.info("request cache hit", extra={"request_id": rid, "tenant": tenant})
             return replay(kept), None, "hit"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from scheduler.admission import too_urgent
 from server.limits import GlobalLimits
 from server.router import NoReplica, Router
 from surge import metrics
@@ -37,13 +38,14 @@ class Fleet:
         # client's fault (400), not a missing pool (503).
         admission = self.limits.admission
         tenant = admission.tenant(first.tenant, now)
-        if (why := admission.too_urgent(tenant, self.priority(first))) is not None:
+        priority = self.priority(first)
+        if (why := too_urgent(admission.tenant_cfgs, tenant.name, priority)) is not None:
             admission.rejected[(tenant.name, "priority")] += 1
             self._count_rejections()
             return RequestOutput(first.request_id, [], "error", why, status=400)
         hashes = self.router.hashes(first.prompt_token_ids)
         try:
-            replica = self.router.choose(hashes, self.priority(first), now)
+            replica = self.router.choose(hashes, priority, now)
         except NoReplica as e:
             return RequestOutput(first.request_id, [], "error", str(e), status=503)
         if (refusal := self.limits.admit(requests, now)) is not None:

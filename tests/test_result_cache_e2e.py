@@ -176,6 +176,14 @@ def test_an_output_changing_field_misses_and_the_rest_do_not(alice):
                      extra_body={"priority": 3, "timeout": 30})[0] == "hit"
 
 
+def test_a_kept_answer_does_not_pass_the_tenants_priority_floor(alice):
+    assert _chat(alice, "Name a colour.")[0] == "miss"
+    assert _chat(alice, "Name a colour.", extra_body={"priority": 2})[0] == "hit"
+    # More urgent than alice's operator allows (her priority, 0): refused as the engine would.
+    with pytest.raises(openai.BadRequestError, match="min_priority"):
+        _chat(alice, "Name a colour.", extra_body={"priority": -1})
+
+
 def test_an_answer_the_client_left_is_not_kept(server, keys):
     body = {"prompt": "Count to one hundred:", "max_tokens": 40, "ignore_eos": True,
             "temperature": 0, "stream": True}
