@@ -100,11 +100,10 @@ class Frontend:
         taken them all (or raise its refusal, or the circuit breaker's); their pieces merged,
         and how the degradation ladder changed them (None: not at all). headers: the HTTP
         request's, whose traceparent a trace continues."""
-        breaker = self.engine.breaker
-        probe = breaker.admit()
+        probe = self.engine.breakers.admit()
         # A refusal says nothing of the engine: the breaker hears None.
         account = Account(rid, sum(len(p) for p in prompts), tenant, self.translator.model_name,
-                          len(prompts) * body.n, breaker.finished if probe else None)
+                          len(prompts) * body.n, probe.finished if probe else None)
         try:
             grammar = await self.translator.grammar(body)
             requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
@@ -115,10 +114,10 @@ class Frontend:
                     headers, {"surge.tenant": tenant, "surge.choices": len(requests),
                               "surge.priority": requests[0].priority or 0,
                               "gen_ai.request.model": self.translator.model_name})
-            taken, degraded = await submit(self.engine, requests)
+            taken, degraded = await submit(self.engine, requests, probe)
         except ApiError as e:  # refused: its access line is its account
             if probe:
-                breaker.finished(None)
+                probe.finished(None)
             if account.trace is not None:
                 account.trace.end(f"error {e.status}", [], account.prompt_tokens, 0)
             raise
@@ -314,8 +313,7 @@ class Frontend:
             return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready.done():
             return web.json_response({"status": "starting"}, status=503)
-        if problem := "; ".join(filter(None, (self.engine.breaker.problem,
-                                               self.engine.problem))):
+        if problem := self.engine.problem:
             return web.json_response({"status": "unhealthy", "reason": problem}, status=503)
         if degraded := self.engine.degraded:  # other replicas serve
             return web.json_response({"status": "degraded", "reason": degraded})

@@ -1,6 +1,8 @@
 """The circuit breaker: while the engine keeps failing (worker deaths), answer new requests at
 once with 503 rather than queue them into failures; after a cool-down let a few probe
-requests through (half-open), and close once they all succeed."""
+requests through (half-open), and close once they all succeed. With data-parallel replicas
+each has its own (Breakers): one replica failing sends new work to the others, and the
+server refuses only when every replica's breaker does."""
 
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ _STATES = {"closed": 0, "half-open": 1, "open": 2}
 
 class Breaker:
     def __init__(self, cfg: OverloadConfig, on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, replica: int | None = None
+                 ) -> None:
         """on_change: called after every transition and rejection (the frontend tells the
-        scheduler, for `surge admin stats`)."""
+        scheduler, for `surge admin stats`). replica: whose it is, with several."""
         self.cfg = cfg
+        self.replica = replica
+        self.name = "circuit breaker" if replica is None else \
+            f"replica {replica}'s circuit breaker"
         self.on_change = on_change
         self.clock = clock  # a fake one in the simulation tests
         self.state = "closed"
@@ -33,9 +39,6 @@ class Breaker:
         self.probes = 0  # probe requests in flight (half-open)
         self.passed = 0  # probes that finished well since half-open
         self.rejected = 0
-        metrics.breaker_state.set(0)
-        for state in _STATES:
-            metrics.breaker_transitions.labels(state)
 
     def failure(self, reason: str) -> None:
         """The engine failed (a worker died): opens the breaker at breaker_failures within
@@ -51,23 +54,15 @@ class Breaker:
             self._move("open", f"{len(self.failures)} engine failures within "
                                f"{self.cfg.breaker_window_s:g}s, the last: {reason}")
 
-    def admit(self) -> bool:
-        """Let a new request through (True: as a probe, report it to finished()), or raise
-        the 503 that refuses it."""
+    def takes(self) -> str:
+        """What it lets through now: "all" (closed), "probe" (half-open, a probe slot free) or
+        "" (nothing)."""
         if self.state == "open" and self.clock() - self.opened_at >= self.cfg.breaker_cooldown_s:
             self._move("half-open", "the cool-down is over: trying probe requests")
         if self.state == "closed":
-            return False
-        if self.state == "half-open" and self.probes < self.cfg.breaker_probes:
-            self.probes += 1
-            return True
-        self.rejected += 1
-        metrics.breaker_rejected.inc()
-        self.on_change()
-        wait = self.cfg.breaker_cooldown_s - (self.clock() - self.opened_at)
-        raise ApiError(503, f"the engine is failing, so surge refuses new requests for now "
-                            f"(circuit breaker {self.state}: {self.reason})",
-                       retry_after=float(max(1, math.ceil(wait))))
+            return "all"
+        return "probe" if self.state == "half-open" and self.probes < self.cfg.breaker_probes \
+            else ""
 
     def finished(self, ok: bool | None) -> None:
         """A probe ended: ok True (it finished), False (the engine failed it), None (the
@@ -97,7 +92,64 @@ class Breaker:
         if state == "open":
             self.opened_at, self.reason = self.clock(), why
         self.state, self.passed = state, 0
-        metrics.breaker_state.set(_STATES[state])
         metrics.breaker_transitions.labels(state).inc()
-        (log.error if state == "open" else log.warning)("circuit breaker %s: %s", state, why)
+        (log.error if state == "open" else log.warning)("%s %s: %s", self.name, state, why)
         self.on_change()
+
+
+def refusal(refusing: list[Breaker]) -> ApiError:
+    """The 503 for a new request that each of these breakers refuses (counted in each)."""
+    metrics.breaker_rejected.inc()
+    for b in refusing:
+        b.rejected += 1
+        b.on_change()
+    wait = min(b.cfg.breaker_cooldown_s - (b.clock() - b.opened_at) for b in refusing)
+    why = f"circuit breaker {refusing[0].state}: {refusing[0].reason}" if len(refusing) == 1 \
+        else "; ".join(f"{b.name} {b.state}: {b.reason}" for b in refusing)
+    return ApiError(503, f"the engine is failing, so surge refuses new requests for now ({why})",
+                    retry_after=float(max(1, math.ceil(wait))))
+
+
+class Breakers:
+    """One breaker a replica. A new request goes to a half-open replica as its probe while
+    one has a slot free (else it would never close), or else to the closed ones; refused
+    only when no replica takes it."""
+
+    def __init__(self, cfg: OverloadConfig, replicas: int,
+                 on_change: Callable[[int], None] = lambda replica: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """on_change(replica): after each of that replica's breaker's moves and rejections."""
+        self.each = [Breaker(cfg, lambda r=r: self._changed(r, on_change), clock,
+                             r if replicas > 1 else None) for r in range(replicas)]
+        metrics.breaker_state.set(0)
+        for state in _STATES:
+            metrics.breaker_transitions.labels(state)
+
+    def _changed(self, replica: int, on_change: Callable[[int], None]) -> None:
+        # The gauge is the server's: open only while every replica's breaker is.
+        metrics.breaker_state.set(min(_STATES[b.state] for b in self.each))
+        on_change(replica)
+
+    def admit(self) -> Breaker | None:
+        """Let a new request through, or raise the 503 that refuses it: the breaker whose probe
+        it is (its replica must take it; report its end to finished()), or None (any replica
+        whose breaker is closed may)."""
+        takes = [b.takes() for b in self.each]
+        if "probe" in takes:
+            probe = self.each[takes.index("probe")]
+            probe.probes += 1
+            return probe
+        if "all" in takes:
+            return None
+        raise refusal(self.each)
+
+    def closed(self) -> list[int]:
+        """The replicas that take any new request."""
+        return [r for r, b in enumerate(self.each) if b.state == "closed"]
+
+    def failure(self, replica: int, reason: str) -> None:
+        self.each[replica].failure(reason)
+
+    def configure(self, cfg: OverloadConfig) -> None:
+        for b in self.each:
+            b.configure(cfg)

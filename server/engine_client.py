@@ -10,7 +10,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from server.breaker import Breaker
+from server.breaker import Breaker, Breakers
 from server.fleet import Fleet, each
 from surge.config import SurgeConfig
 from surge.protocol import (
@@ -54,9 +54,11 @@ class EngineClient:
         # scheduler applies them itself).
         self.fleet = Fleet(cfg, time.time()) if channels.replicas > 1 else None
         self.tenants = cfg.tenants  # as surge admin set leaves them (LiveSettings)
-        self.breaker = Breaker(cfg.overload, on_change=self._report_breaker)
-        self._breaker_sent = ("closed", 0.0)  # the state the scheduler was last told, and when
-        self._breaker_flush = False  # a later report is scheduled
+        self.breakers = Breakers(cfg.overload, channels.replicas, self._report_breaker)
+        # Each replica's breaker state its scheduler was last told, and when; and whether a
+        # later report is scheduled.
+        self._breaker_sent = [("closed", 0.0)] * channels.replicas
+        self._breaker_flush = [False] * channels.replicas
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -83,12 +85,12 @@ class EngineClient:
         elif isinstance(msg, EngineHealth):
             self.problems[msg.replica] = msg.problem
         elif isinstance(msg, EngineFault):
-            self.breaker.failure(msg.reason)
+            self.breakers.failure(msg.replica, msg.reason)
             if fleet is not None:
                 fleet.router.fault(msg.replica)
         elif isinstance(msg, LiveSettings):
             self.tenants = msg.tenants
-            self.breaker.configure(msg.overload)
+            self.breakers.configure(msg.overload)
             if fleet is not None:
                 fleet.configure(msg, time.time())
         elif isinstance(msg, PrefixReport) and fleet is not None:
@@ -99,18 +101,25 @@ class EngineClient:
         """The only replica's latest stats (with several, see replica_stats)."""
         return self.replica_stats[0]
 
+    def _problems(self) -> list[str | None]:
+        """Why each replica cannot serve new requests: its breaker and its health."""
+        return ["; ".join(filter(None, (b.problem, p))) or None
+                for b, p in zip(self.breakers.each, self.problems, strict=True)]
+
     @property
     def problem(self) -> str | None:
         """Why the engine cannot serve: its only replica, or every one of several, is
         unhealthy."""
-        return "; ".join(p for p in self.problems if p) if all(self.problems) else None
+        problems = self._problems()
+        return "; ".join(p for p in problems if p) if all(problems) else None
 
     @property
     def degraded(self) -> str | None:
         """Which replicas are unhealthy while others serve."""
-        if self.problem:
+        problems = self._problems()
+        if all(problems):
             return None
-        return "; ".join(f"replica {i}: {p}" for i, p in enumerate(self.problems) if p) or None
+        return "; ".join(f"replica {i}: {p}" for i, p in enumerate(problems) if p) or None
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
@@ -129,38 +138,43 @@ class EngineClient:
         sent = self.requests[replica].send(data)
         sent.add_done_callback(_report_send_failure)
 
-    def submit(self, requests: list[EngineRequest]) -> list[asyncio.Queue[RequestOutput]]:
+    def submit(self, requests: list[EngineRequest], probe: Breaker | None = None
+               ) -> list[asyncio.Queue[RequestOutput]]:
         """Send one API request's engine requests in one message (admitted as a unit); the
-        stream of outputs of each."""
+        stream of outputs of each. probe: the breaker (Breakers.admit) whose replica takes them
+        as its probe; else any replica whose breaker is closed."""
         data = encode(EngineRequests(requests))
         streams: list[asyncio.Queue[RequestOutput]] = []
         for request in requests:
             streams.append(asyncio.Queue())
             self.streams[request.request_id] = streams[-1]
-        replica = 0 if self.fleet is None else self.fleet.place(requests, time.time())
+        replica = 0 if self.fleet is None else self.fleet.place(
+            requests, time.time(),
+            [probe.replica] if probe is not None else self.breakers.closed())
         if isinstance(replica, RequestOutput):  # refused here, as a scheduler would
             self._deliver(each(replica, requests))
         else:
             self._send(data, replica)
         return streams
 
-    def _report_breaker(self) -> None:
-        """Tell the scheduler (for `surge admin stats`) of each move, and of rejections at
-        most once a second: while open, every request would otherwise send a message."""
-        state, now = self.breaker.state, time.monotonic()
-        wait = 1.0 - (now - self._breaker_sent[1])
-        if state == self._breaker_sent[0] and wait > 0:
-            if not self._breaker_flush:  # the count since is sent when the second is up
-                self._breaker_flush = True
-                asyncio.get_running_loop().call_later(wait, self._flush_breaker)
+    def _report_breaker(self, replica: int) -> None:
+        """Tell the replica's scheduler (for `surge admin stats`) of each move of its breaker,
+        and of rejections at most once a second: while open, every request would otherwise
+        send a message."""
+        breaker = self.breakers.each[replica]
+        state, now = breaker.state, time.monotonic()
+        wait = 1.0 - (now - self._breaker_sent[replica][1])
+        if state == self._breaker_sent[replica][0] and wait > 0:
+            if not self._breaker_flush[replica]:  # the count since is sent when the second is up
+                self._breaker_flush[replica] = True
+                asyncio.get_running_loop().call_later(wait, self._flush_breaker, replica)
             return
-        self._breaker_sent = (state, now)
-        for replica in range(len(self.requests)):
-            self._send(encode(BreakerState(state, self.breaker.rejected)), replica)
+        self._breaker_sent[replica] = (state, now)
+        self._send(encode(BreakerState(state, breaker.rejected)), replica)
 
-    def _flush_breaker(self) -> None:
-        self._breaker_flush = False
-        self._report_breaker()
+    def _flush_breaker(self, replica: int) -> None:
+        self._breaker_flush[replica] = False
+        self._report_breaker(replica)
 
     def abort(self, *request_ids: str) -> None:
         """Abort those of request_ids still running, in one message."""

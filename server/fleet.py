@@ -30,9 +30,11 @@ class Fleet:
             return request.priority
         return self.limits.admission.limits(request.tenant).priority
 
-    def place(self, requests: list[EngineRequest], now: float) -> int | RequestOutput:
-        """The replica for one API request's engine requests (all on one, admitted as a
-        unit there), or the refusal each of them gets: a global limit, or no replica."""
+    def place(self, requests: list[EngineRequest], now: float,
+              allowed: list[int] | None = None) -> int | RequestOutput:
+        """The replica, one of `allowed` (default: any), for one API
+        request's engine requests (all on one, admitted as a unit there), or the refusal each
+        of them gets: a global limit, or no replica."""
         first = requests[0]
         # Before routing, which picks a pool by the priority: one it may not ask for is the
         # client's fault (400), not a missing pool (503).
@@ -45,7 +47,7 @@ class Fleet:
             return RequestOutput(first.request_id, [], "error", why, status=400)
         hashes = self.router.hashes(first.prompt_token_ids)
         try:
-            replica = self.router.choose(hashes, priority, now)
+            replica = self.router.choose(hashes, priority, now, allowed)
         except NoReplica as e:
             return RequestOutput(first.request_id, [], "error", str(e), status=503)
         if (refusal := self.limits.admit(requests, now)) is not None:

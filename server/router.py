@@ -82,10 +82,17 @@ class Router:
             count += 1
         return count
 
-    def choose(self, hashes: list[bytes], priority: int, now: float) -> int:
-        """The replica for a prompt with these prefix names (NoReplica: none may serve)."""
+    def choose(self, hashes: list[bytes], priority: int, now: float,
+               allowed: list[int] | None = None) -> int:
+        """The replica, one of `allowed` (default: any), for a prompt with these prefix names
+        (NoReplica: none may serve)."""
         self._expire(now)
         found = self.candidates(priority)
+        if allowed is not None:
+            found = [r for r in found if r in allowed]
+            if not found:
+                raise NoReplica(f"no replica that serves priority {priority} takes new requests "
+                                f"now: their circuit breakers keep them off")
         found = [r for r in found if not self.down[r]] or found
         least = min(self.load[r] for r in found)
         if hashes:

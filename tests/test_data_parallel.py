@@ -150,7 +150,14 @@ def _runtime_dir(server: ServerProcess) -> str:
     return os.path.join(server.root, found)
 
 
+def _health(server: ServerProcess) -> dict:
+    with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
+        return json.load(r)
+
+
 def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
+    # One death opens a replica's circuit breaker, for the rest of the test.
+    _admin(server, "set", "breaker_failures=1", "breaker_cooldown_s=600")
     workers = _workers(server)
     assert set(workers) == {"surge: worker 0.0", "surge: worker 1.0"}, workers
     results = _streams(server, 6, 24, kill=workers["surge: worker 1.0"])
@@ -158,6 +165,14 @@ def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
     # The other replica kept serving meanwhile (its worker was never replaced).
     after = _workers(server)
     assert after["surge: worker 0.0"] == workers["surge: worker 0.0"]
-    with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
-        assert json.load(r)["status"] in ("ok", "degraded")
-    assert _complete(server, [9] * 20) == 200
+    # Replica 1's breaker is open: new work goes to replica 0, and the server is degraded,
+    # not down (one breaker for the server refused everything).
+    health = _health(server)
+    assert health["status"] == "degraded" and \
+        "replica 1: circuit breaker open" in health["reason"], health
+    before = _queried(server)
+    assert [_complete(server, [9 + i] * 20) for i in range(4)] == [200] * 4
+    after = _queried(server)
+    assert after[1] == before[1] and after[0] - before[0] == 4 * 20
+    _admin(server, "set", "breaker_failures=0")  # switched off: replica 1 serves again
+    assert _health(server)["status"] == "ok"

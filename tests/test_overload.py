@@ -9,8 +9,9 @@ import pytest
 
 from scheduler.overload import Ladder, Step
 from scheduler.scheduler import Scheduler
-from server.breaker import Breaker
+from server.breaker import Breakers
 from server.errors import ApiError
+from surge import metrics
 from surge.config import OverloadConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
 from surge.protocol import EngineRequest, SamplingParams, SeqResult, StepResult
 from tests.test_sla import Sim
@@ -21,18 +22,26 @@ def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
     moves: list[str] = []
     cfg = OverloadConfig(breaker_failures=3, breaker_window_s=10, breaker_cooldown_s=5,
                          breaker_probes=2)
-    breaker = Breaker(cfg, on_change=lambda: moves.append(breaker.state), clock=lambda: now[0])
+    breakers = Breakers(cfg, 1, on_change=lambda replica: moves.append(breaker.state),
+                        clock=lambda: now[0])
+    breaker = breakers.each[0]
+
+    def admit() -> bool:
+        """Let through: as a probe (True) or not (False)."""
+        probe = breakers.admit()
+        assert probe in (None, breaker)
+        return probe is breaker
 
     def refused() -> ApiError:
         with pytest.raises(ApiError) as e:
-            breaker.admit()
+            admit()
         assert e.value.status == 503
         return e.value
 
     for t in (0, 6, 12):  # the first has left the 10 s window when the third comes
         now[0] = t
         breaker.failure("worker 0 died")
-    assert breaker.state == "closed" and breaker.admit() is False and breaker.problem is None
+    assert breaker.state == "closed" and admit() is False and breaker.problem is None
     now[0] = 13
     breaker.failure("worker 0 died")  # 6, 12, 13: three within the window
     assert breaker.state == "open"
@@ -41,7 +50,7 @@ def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
     now[0] = 17.5
     assert refused().retry_after == 1  # never 0: "retry at once" would be wrong
     now[0] = 18  # the cool-down is over: two probes pass, a third waits
-    assert breaker.admit() is True and breaker.admit() is True
+    assert admit() is True and admit() is True
     assert breaker.state == "half-open" and breaker.problem is None  # it takes probes
     assert "half-open" in refused().message
     breaker.finished(True)
@@ -50,19 +59,19 @@ def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
     now[0] = 22
     refused()
     now[0] = 23
-    assert breaker.admit() is True
+    assert admit() is True
     breaker.finished(None)  # the client left: no verdict, and the slot is free again
-    assert breaker.admit() is True and breaker.admit() is True
+    assert admit() is True and admit() is True
     breaker.failure("worker 0 died")  # an engine failure while half-open
     assert breaker.state == "open"
     breaker.finished(True)  # the two probes finish after all (recomputed): too late
     breaker.finished(True)
     assert breaker.state == "open"
     now[0] = 28
-    assert breaker.admit() and breaker.admit()
+    assert admit() and admit()
     breaker.finished(True)
     breaker.finished(True)
-    assert breaker.state == "closed" and breaker.admit() is False
+    assert breaker.state == "closed" and admit() is False
     breaker.failure("worker 0 died")  # the old failures were forgotten on closing
     assert breaker.state == "closed"
     transitions = [m for i, m in enumerate(moves) if i == 0 or m != moves[i - 1]]
@@ -72,13 +81,45 @@ def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
 
 
 def test_a_breaker_switched_off_live_closes():
-    breaker = Breaker(OverloadConfig(breaker_failures=1))
-    breaker.failure("worker 0 died")
-    assert breaker.state == "open"
-    breaker.configure(OverloadConfig(breaker_failures=0))
-    assert breaker.state == "closed" and breaker.admit() is False
-    breaker.failure("worker 0 died")
-    assert breaker.state == "closed"
+    breakers = Breakers(OverloadConfig(breaker_failures=1), 1)
+    breakers.failure(0, "worker 0 died")
+    assert breakers.each[0].state == "open"
+    breakers.configure(OverloadConfig(breaker_failures=0))
+    assert breakers.each[0].state == "closed" and breakers.admit() is None
+    breakers.failure(0, "worker 0 died")
+    assert breakers.each[0].state == "closed"
+
+
+def test_a_replicas_breaker_sends_work_to_the_others_and_probes_it_alone():
+    now = [0.0]
+    told: list[int] = []
+    breakers = Breakers(OverloadConfig(breaker_failures=2, breaker_cooldown_s=5,
+                                       breaker_probes=1), 3, told.append, lambda: now[0])
+    first, second, third = breakers.each
+    for _ in range(2):
+        breakers.failure(1, "worker 1.0 died")
+    assert second.state == "open" and (first.state, third.state) == ("closed", "closed")
+    assert told == [1] and "replica 1's" in second.name
+    # Replica 1 refuses new work while the others take it: no 503, no probe.
+    assert breakers.admit() is None and breakers.closed() == [0, 2]
+    assert metrics.breaker_state._value.get() == 0  # the server still serves
+    now[0] = 5  # after the cool-down its one probe goes to it, then the others take the rest
+    assert breakers.admit() is second and second.state == "half-open"
+    assert breakers.admit() is None and breakers.closed() == [0, 2]
+    second.finished(True)
+    assert second.state == "closed" and breakers.closed() == [0, 1, 2]
+    # Every replica's breaker open: refused, each counts it, the wait is the soonest probe's.
+    for replica in (0, 1, 2):
+        now[0] = 10 + replica
+        breakers.failure(replica, f"worker {replica}.0 died")
+        breakers.failure(replica, f"worker {replica}.0 died")
+    assert metrics.breaker_state._value.get() == 2
+    with pytest.raises(ApiError) as e:
+        breakers.admit()
+    assert e.value.status == 503 and e.value.retry_after == 3
+    assert "replica 0's circuit breaker open: 2 engine failures" in e.value.message
+    assert "replica 2's circuit breaker open" in e.value.message
+    assert [b.rejected for b in breakers.each] == [1, 1, 1]
 
 
 def test_the_ladder_takes_the_least_important_tenant_first():

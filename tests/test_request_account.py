@@ -22,9 +22,10 @@ class Engine:
     def __init__(self, hold: bool) -> None:
         self.hold = hold
         self.aborted: list[str] = []
-        self.breaker = SimpleNamespace(admit=lambda: False)
+        self.breakers = SimpleNamespace(admit=lambda: None)
 
-    def submit(self, requests: list[EngineRequest]) -> list[asyncio.Queue[RequestOutput]]:
+    def submit(self, requests: list[EngineRequest], probe: object = None
+               ) -> list[asyncio.Queue[RequestOutput]]:
         queues: list[asyncio.Queue[RequestOutput]] = []
         for r in requests:
             queues.append(asyncio.Queue())
