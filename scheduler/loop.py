@@ -79,6 +79,9 @@ class SchedulerLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.poller.register(self.admin, zmq.POLLIN)
+        # While idle too: a worker that dies with nothing to do is noticed at once (health, the
+        # router, the breaker), not blamed on the first step planned after it.
+        self.poller.register(self.results, zmq.POLLIN)
         self.ring = RingBuffer(channels.plan_ring, reader=None)
         self.num_workers = num_workers
         self.frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
@@ -127,10 +130,13 @@ class SchedulerLoop:
             return msg
 
     def _worker_failed(self) -> bool:
-        """While a plan waits for ring space: has a worker died (so nobody will read it)?"""
+        """Has a worker died (so nobody will read a plan)? Asked while a plan waits for ring
+        space, and before planning with nothing in flight."""
         while self.results.poll(0):
             self._early.append(self.worker_decoder.decode(self.results.recv()))
-        return any(isinstance(m, WorkerFailed) and self._current(m) for m in self._early)
+        return any(isinstance(m, WorkerFailed) and self._current(m) or
+                   isinstance(m, WorkerReady) and m.generation > self.generation
+                   for m in self._early)
 
     def _lost(self, error: str, generation: int) -> None:
         """A worker of `generation` died; a new group is on its way. If this group had not
@@ -260,6 +266,8 @@ class SchedulerLoop:
         busy = bool(inflight) or (sched.has_work() and not self._stalled)
         self._take_requests(0 if busy else (5 if self._stalled else _IDLE_POLL_MS))
         if not inflight:
+            while self._worker_failed():
+                self._worker_message()  # up to the death, which raises: nothing to blame
             self._gather_batch()
         if expired := sched.expire():
             self.outputs.send(encode(EngineOutputs(expired)))

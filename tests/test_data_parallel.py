@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -176,3 +177,18 @@ def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
     assert after[1] == before[1] and after[0] - before[0] == 4 * 20
     _admin(server, "set", "breaker_failures=0")  # switched off: replica 1 serves again
     assert _health(server)["status"] == "ok"
+
+
+def test_a_worker_dying_while_idle_is_noticed_before_any_request(server):
+    _admin(server, "set", "breaker_failures=1")
+    try:
+        os.kill(_workers(server)["surge: worker 0.0"], signal.SIGKILL)
+        # Nothing in flight: the scheduler hears of it at once (its breaker opens), rather
+        # than on the first step planned after it, which it would blame for the death.
+        deadline = time.monotonic() + 10
+        while "replica 0: circuit breaker open" not in _health(server).get("reason", ""):
+            assert time.monotonic() < deadline, _health(server)
+            time.sleep(0.2)
+        assert [_complete(server, [40 + i] * 20) for i in range(3)] == [200] * 3
+    finally:
+        _admin(server, "set", "breaker_failures=0")
