@@ -9,8 +9,9 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
+import msgspec
 from aiohttp import BodyPartReader, web
 from msgspec import Meta, Struct
 
@@ -28,10 +29,18 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600}
 _CHUNK = 1 << 16
 
 
+class ExpiresAfter(Struct, forbid_unknown_fields=True):
+    """OpenAI's expiry of a file (files.create's expires_after, batches.create's
+    output_expires_after for the files it writes), within its bounds of an hour to 30 days."""
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Meta(ge=3600, le=2592000)]
+
+
 class BatchRequest(Struct, forbid_unknown_fields=True):
     input_file_id: str
     endpoint: str
     completion_window: str
+    output_expires_after: ExpiresAfter | None = None
     # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
     metadata: Annotated[dict[Annotated[str, Meta(max_length=64)],
                              Annotated[str, Meta(max_length=512)]],
@@ -67,6 +76,7 @@ class BatchApi:
         file_id = "file-" + secrets.token_hex(12)
         path = self.store.path(file_id)
         purpose, filename, size = None, None, 0
+        expiry: dict[str, object] = {}  # expires_after[anchor], expires_after[seconds]
         seen: set[str | None] = set()
         try:
             async for part in await request.multipart():
@@ -84,6 +94,11 @@ class BatchApi:
                         raise ApiError(400, f"the file's name is {len(filename)} characters; "
                                             "at most 255", param="file")
                     size = await self._save(part, path)
+                elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    value = (await part.read(decode=True)).decode(errors="replace")
+                    field = part.name[len("expires_after["):-1]
+                    expiry[field] = int(value) if field == "seconds" and \
+                        value.lstrip("-").isdigit() else value
                 else:
                     raise ApiError(400, f"unknown form field {part.name!r}; send file and "
                                         "purpose", param=part.name)
@@ -93,11 +108,13 @@ class BatchApi:
                                     "the Batch API only", param="purpose")
             if filename is None:
                 raise ApiError(400, "no file in the upload (form field 'file')", param="file")
+            expires = _expiry(expiry, "expires_after") if expiry else None
             await asyncio.to_thread(_check_jsonl, path)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-        return _json(self.store.add_file(request[TENANT], file_id, purpose, filename, size))
+        return _json(self.store.add_file(request[TENANT], file_id, purpose, filename, size,
+                                         None if expires is None else expires.seconds))
 
     async def _save(self, part: BodyPartReader, path: Path) -> int:
         limit = self.cfg.batch_max_file_bytes
@@ -174,7 +191,8 @@ class BatchApi:
                  "request_counts": {"total": 0, "completed": 0, "failed": 0},
                  "metadata": body.metadata, "model": self.frontend.translator.model_name,
                  "usage": None}
-        self.store.add_batch(tenant, batch)
+        expires = body.output_expires_after
+        self.store.add_batch(tenant, batch, None if expires is None else expires.seconds)
         self.runner.wake.set()
         return _json(batch)
 
@@ -203,6 +221,15 @@ class BatchApi:
                                       status="cancelling", cancelling_at=int(time.time()))
         self.runner.wake.set()
         return _json(cancelled or batch)
+
+
+def _expiry(fields: dict[str, object], param: str) -> ExpiresAfter:
+    """A form's expires_after[...] fields, checked as the JSON field is."""
+    try:
+        return msgspec.convert(fields, ExpiresAfter)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"{param}: {e} (anchor must be created_at, seconds a whole number "
+                            "from 3600 to 2592000)", param=param) from None
 
 
 def add_off_routes(app: web.Application, why: str) -> None:

@@ -256,8 +256,8 @@ class BatchRunner:
                 continue
             file_id = "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
             size = await asyncio.to_thread(_write, self.store.path(file_id), lines)
-            self.store.add_file(tenant, file_id, "batch_output",
-                                f"{batch_id}_{kind}.jsonl", size)
+            self.store.add_file(tenant, file_id, "batch_output", f"{batch_id}_{kind}.jsonl",
+                                size, self.store.output_expires_s(batch_id))
             ids[f"{kind}_file_id"] = file_id
         counts = {"total": len(output) + len(errors), "completed": len(output),
                   "failed": len(errors)}

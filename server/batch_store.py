@@ -17,10 +17,10 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER);
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, tenant TEXT NOT NULL,
-    status TEXT NOT NULL, ended_at REAL, data TEXT NOT NULL);
+    status TEXT NOT NULL, ended_at REAL, data TEXT NOT NULL, output_expires_s INTEGER);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT, state TEXT NOT NULL,
     request TEXT, result TEXT, PRIMARY KEY (batch_id, line));
@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL, state TEXT NOT NULL,
     PRIMARY KEY (event_id, url));
 """
+# Columns later versions added, for state directories an earlier one made: (table, column).
+_ADDED = (("files", "expires_at INTEGER"), ("batches", "output_expires_s INTEGER"))
 
 
 def default_state_dir() -> str:
@@ -49,8 +51,10 @@ class BatchStore:
     survives the process being killed (the WAL is in the OS's cache), not a power loss, and
     costs no fsync on the event loop per line."""
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, retention_s: float) -> None:
+        """retention_s: files are removed this long after their creation at the latest."""
         self.root = Path(state_dir)
+        self.retention_s = retention_s
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.lock = open(self.root / "lock", "w")  # noqa: SIM115 (held while serving)
@@ -65,6 +69,10 @@ class BatchStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        for table, column in _ADDED:
+            have = {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if column.split()[0] not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
     def close(self) -> None:
         self.db.close()
@@ -75,18 +83,31 @@ class BatchStore:
 
     # ---- files ----
 
-    def add_file(self, tenant: str, file_id: str, purpose: str, filename: str,
-                 size: int) -> dict:
+    def add_file(self, tenant: str, file_id: str, purpose: str, filename: str, size: int,
+                 expires_s: int | None = None) -> dict:
+        """expires_s: removed this long after its creation (OpenAI's expires_after), where
+        sooner than the retention period."""
         now = int(time.time())
-        self.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                        (file_id, tenant, purpose, filename, size, now))
-        return _file(file_id, purpose, filename, size, now)
+        self.db.execute("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, "
+                        "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (file_id, tenant, purpose, filename, size, now,
+                         None if expires_s is None else now + expires_s))
+        return self.file(tenant, file_id)  # type: ignore[return-value]
 
     def file(self, tenant: str, file_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM files WHERE id = ? AND tenant = ?",
                               (file_id, tenant)).fetchone()
-        return None if row is None else _file(row["id"], row["purpose"], row["filename"],
-                                              row["bytes"], row["created_at"])
+        return None if row is None else self._file(row)
+
+    def _file(self, row: sqlite3.Row) -> dict:
+        """OpenAI's file object; expires_at: when it will be removed."""
+        expires = row["created_at"] + int(self.retention_s)
+        if row["expires_at"] is not None:
+            expires = min(expires, row["expires_at"])
+        return {"id": row["id"], "object": "file", "bytes": row["bytes"],
+                "created_at": row["created_at"], "expires_at": expires,
+                "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
+                "status_details": None}
 
     def files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
               ascending: bool) -> tuple[list[dict], bool]:
@@ -100,8 +121,7 @@ class BatchStore:
             f"AND rowid {beyond} ? ORDER BY rowid {order} LIMIT ?",
             (tenant, purpose, purpose, start[0] if start else (-1 if ascending else 2**62),
              limit + 1)).fetchall()
-        return ([_file(r["id"], r["purpose"], r["filename"], r["bytes"], r["created_at"])
-                 for r in rows[:limit]], len(rows) > limit)
+        return [self._file(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> None:
         self.db.execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -109,9 +129,15 @@ class BatchStore:
 
     # ---- batches ----
 
-    def add_batch(self, tenant: str, batch: dict) -> None:
-        self.db.execute("INSERT INTO batches (id, tenant, status, data) VALUES (?, ?, ?, ?)",
-                        (batch["id"], tenant, batch["status"], json.dumps(batch)))
+    def add_batch(self, tenant: str, batch: dict, output_expires_s: int | None = None) -> None:
+        """output_expires_s: its output and error files' expires_s (see add_file)."""
+        self.db.execute("INSERT INTO batches (id, tenant, status, data, output_expires_s) "
+                        "VALUES (?, ?, ?, ?, ?)", (batch["id"], tenant, batch["status"],
+                                                   json.dumps(batch), output_expires_s))
+
+    def output_expires_s(self, batch_id: str) -> int | None:
+        return self.db.execute("SELECT output_expires_s FROM batches WHERE id = ?",
+                               (batch_id,)).fetchone()[0]
 
     def update(self, batch_id: str, expect: tuple[str, ...],
                events: Callable[[dict], list[tuple[str, str, str, str]]] | None = None,
@@ -166,8 +192,8 @@ class BatchStore:
         return dict(rows.fetchall())
 
     def remove_old(self, before: float) -> int:
-        """Forget finished batches and files older than `before`, but not the input file of a
-        batch still active; how many of each went."""
+        """Forget finished batches and files older than `before`, and files past their own
+        expiry, but not the input file of a batch still active; how many of each went."""
         gone = [r[0] for r in self.db.execute(
             "SELECT id FROM batches WHERE ended_at < ?", (before,)).fetchall()]
         with self.db:
@@ -176,8 +202,9 @@ class BatchStore:
                 self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
                 self.db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
         in_use = {b["input_file_id"] for b in self.active()}  # a long batch keeps its input
-        old = [r[0] for r in self.db.execute("SELECT id FROM files WHERE created_at < ?",
-                                             (before,)).fetchall() if r[0] not in in_use]
+        old = [r[0] for r in self.db.execute(
+            "SELECT id FROM files WHERE created_at < ? OR expires_at <= ?",
+            (before, time.time())).fetchall() if r[0] not in in_use]
         for file_id in old:
             self.delete_file(file_id)
         self.db.execute("DELETE FROM outbox WHERE state != 'pending' AND next_at < ?",
@@ -272,9 +299,3 @@ class BatchStore:
         self.db.execute("UPDATE outbox SET state = ?, attempts = ?, next_at = ? "
                         "WHERE event_id = ? AND url = ?", (state, attempts, next_at,
                                                            event_id, url))
-
-
-def _file(file_id: str, purpose: str, filename: str, size: int, created: int) -> dict:
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": created,
-            "expires_at": None, "filename": filename, "purpose": purpose,
-            "status": "processed", "status_details": None}

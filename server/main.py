@@ -53,7 +53,8 @@ async def _serve(cfg: SurgeConfig, channels: Channels, status: Any) -> None:
     app = build_app(frontend)
     background: list[asyncio.Task] = []
     try:
-        store: BatchStore | None = BatchStore(cfg.batch.state_dir or default_state_dir())
+        store: BatchStore | None = BatchStore(cfg.batch.state_dir or default_state_dir(),
+                                            cfg.batch.batch_retention_s)
     except (StateDirBusy, OSError, sqlite3.Error) as e:  # busy, unwritable, not a database
         log.error("the Batch API is off: %s", e)
         store = None

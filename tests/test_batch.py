@@ -161,6 +161,31 @@ def test_batch_answers_each_line_as_the_endpoint_does(server, env, receiver):
         c.webhooks.unwrap(deliveries[-1][0], deliveries[-1][1], secret="whsec_" + "QUJD" * 8)
 
 
+def test_files_and_a_batchs_output_take_openais_expiry(server, env):
+    c = client(server, env, "alpha")
+    retention = 30 * 86400  # the default --batch-retention-s
+    kept = c.files.create(file=("in.jsonl", jsonl([chat_line("e", "Hi.")])), purpose="batch")
+    assert kept.expires_at == kept.created_at + retention  # as OpenAI's batch files
+    short = c.files.create(file=("in.jsonl", jsonl([chat_line("e", "Hi.")])), purpose="batch",
+                           expires_after={"anchor": "created_at", "seconds": 3600})
+    assert short.expires_at == short.created_at + 3600
+    assert c.files.retrieve(short.id).expires_at == short.expires_at
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_used", "seconds": 3600},
+                {"anchor": "created_at"}):
+        with pytest.raises(openai.BadRequestError, match="expires_after") as e:
+            c.files.create(file=("in.jsonl", jsonl([chat_line("e", "Hi.")])), purpose="batch",
+                           expires_after=bad)  # type: ignore[arg-type]
+        assert e.value.body["param"] == "expires_after"
+    batch = wait_done(c, c.batches.create(
+        input_file_id=short.id, endpoint=CHAT, completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200}).id)
+    output = c.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    with pytest.raises(openai.BadRequestError, match="output_expires_after"):
+        c.batches.create(input_file_id=short.id, endpoint=CHAT, completion_window="24h",
+                         output_expires_after={"anchor": "created_at", "seconds": 10**8})
+
+
 def test_bad_uploads_are_400(server, env):
     c = client(server, env, "alpha")
     for content, purpose, needle in (

@@ -19,7 +19,7 @@ def batch(batch_id: str, status: str = "validating") -> dict:
 
 
 def test_update_applies_only_from_expected_states_with_its_events(tmp_path):
-    store = BatchStore(str(tmp_path))
+    store = BatchStore(str(tmp_path), 86400)
     store.add_batch("t", batch("b1", "in_progress"))
     cancelled = store.update("b1", ("validating", "in_progress"), status="cancelling")
     assert cancelled is not None and cancelled["status"] == "cancelling"
@@ -37,7 +37,7 @@ def test_update_applies_only_from_expected_states_with_its_events(tmp_path):
 
 
 def test_a_line_is_recorded_once_and_pending_skips_lines_in_flight(tmp_path):
-    store = BatchStore(str(tmp_path))
+    store = BatchStore(str(tmp_path), 86400)
     store.add_lines("b", [(1, "a", "pending", "{}", None), (2, "b", "pending", "{}", None)])
     assert [x[0] for x in store.pending("b", {1}, 5)] == [2]
     store.finish_line("b", 1, "done", "first")
@@ -49,7 +49,7 @@ def test_a_line_is_recorded_once_and_pending_skips_lines_in_flight(tmp_path):
 
 
 def test_retention_removes_ended_batches_and_old_files_not_in_use(tmp_path):
-    store = BatchStore(str(tmp_path))
+    store = BatchStore(str(tmp_path), 86400)
     store.add_batch("t", {**batch("old", "in_progress"), "input_file_id": "file-1"})
     store.add_batch("t", {**batch("running", "in_progress"), "input_file_id": "file-2"})
     store.update("old", ("in_progress",), status="completed")
@@ -95,8 +95,40 @@ def test_bad_lines_each_get_a_reason(tmp_path):
 
 
 def test_one_server_per_state_dir(tmp_path):
-    store = BatchStore(str(tmp_path))
+    store = BatchStore(str(tmp_path), 86400)
     with pytest.raises(StateDirBusy, match="--state-dir"):
-        BatchStore(str(tmp_path))
+        BatchStore(str(tmp_path), 86400)
     store.close()
-    BatchStore(str(tmp_path)).close()  # free again once the holder is gone
+    BatchStore(str(tmp_path), 86400).close()  # free again once the holder is gone
+
+
+def test_files_expire_at_their_own_time_or_the_retentions_and_old_stores_gain_the_columns(
+        tmp_path):
+    import sqlite3
+
+    # A state directory from before the expiry columns: opened, it gains them.
+    old = sqlite3.connect(tmp_path / "batches.sqlite3")
+    old.executescript(
+        "CREATE TABLE files (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL,"
+        " filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);"
+        "CREATE TABLE batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,"
+        " tenant TEXT NOT NULL, status TEXT NOT NULL, ended_at REAL, data TEXT NOT NULL);"
+        "INSERT INTO files VALUES ('file-old', 't', 'batch', 'a.jsonl', 1, 1000);")
+    old.commit()
+    old.close()
+    store = BatchStore(str(tmp_path), 86400)
+    assert store.file("t", "file-old")["expires_at"] == 1000 + 86400  # the retention's
+    for file_id, expires_s in (("file-short", 3600), ("file-long", 10 * 86400)):
+        store.path(file_id).write_text("x")
+        made = store.add_file("t", file_id, "batch", "in.jsonl", 1, expires_s)
+        assert made["expires_at"] == made["created_at"] + min(expires_s, 86400)
+    store.add_batch("t", {**batch("b"), "input_file_id": "file-x"}, output_expires_s=7200)
+    assert store.output_expires_s("b") == 7200
+    # An hour on: the short file is gone, unless a running batch reads it.
+    store.add_batch("t", {**batch("reads", "in_progress"), "input_file_id": "file-short"})
+    store.db.execute("UPDATE files SET expires_at = 0 WHERE id = 'file-short'")
+    assert store.remove_old(0) == 0 and store.file("t", "file-short") is not None
+    store.update("reads", ("in_progress",), status="completed")
+    assert store.remove_old(0) == 1
+    assert store.file("t", "file-short") is None and not store.path("file-short").exists()
+    assert store.file("t", "file-long") is not None

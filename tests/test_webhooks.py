@@ -17,7 +17,7 @@ from tests.webhook_receiver import Receiver
 
 def test_one_failing_delivery_never_stops_the_others(tmp_path, caplog):
     receiver = Receiver(SECRET)
-    store = BatchStore(str(tmp_path))
+    store = BatchStore(str(tmp_path), 86400)
     # Built directly, not loaded: the load refuses such a secret, this is the loop's own guard.
     tenants = {"good": TenantConfig(webhook_urls=receiver.url, webhook_secret=SECRET),
                "bad": TenantConfig(webhook_urls=receiver.url,
