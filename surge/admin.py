@@ -186,8 +186,10 @@ def _summary(runtime_dir: str) -> str:
 def _replica_line(r: dict) -> str:
     hits = r["prefix_hit_tokens"] / r["prefix_queried_tokens"] if r["prefix_queried_tokens"] \
         else 0.0
+    breaker = "" if r["breaker"] == "closed" else f", breaker {r['breaker']}"
     return (f"replica {r['replica']:<3}  {r['running']} running, {r['waiting']} waiting, KV "
-            f"{r['kv_blocks_used']} / {r['kv_blocks_total']} blocks, prefix hit rate {hits:.1%}")
+            f"{r['kv_blocks_used']} / {r['kv_blocks_total']} blocks, prefix hit rate "
+            f"{hits:.1%}{breaker}")
 
 
 def _capacity(runtime_dir: str, as_json: bool) -> tuple[bool, str]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# Figures that are not added up over replicas: the most recent / the worst of them, and the
-# breaker's, which is the frontend's own (each replica is told the same).
-_MAX = {"time", "overload_level", "queue_drain_s", "congested"}
-_FIRST = {"breaker", "breaker_rejected", "replica"}
+# Figures that are not added up over replicas: the most recent / the worst of them (a request
+# the server refuses counts in every replica's breaker).
+_MAX = {"time", "overload_level", "queue_drain_s", "congested", "breaker_rejected"}
+# The server's breaker is open only while every replica's is (server/breaker.Breakers).
+_BREAKER = ("closed", "half-open", "open")
 
 
 def total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -16,7 +17,9 @@ def total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, first in replicas[0].items():
         values = [r[key] for r in replicas if key in r]
-        if key in _FIRST or isinstance(first, str):  # the message's tag too
+        if key == "breaker":
+            out[key] = min(values, key=_BREAKER.index)
+        elif isinstance(first, str):  # the message's tag
             out[key] = first
         elif key in _MAX:
             out[key] = max(values)

@@ -171,6 +171,13 @@ def test_a_killed_replicas_requests_finish_while_the_other_serves(server):
     health = _health(server)
     assert health["status"] == "degraded" and \
         "replica 1: circuit breaker open" in health["reason"], health
+    # surge admin stats: replica 1's breaker on its line; the server's is closed.
+    deadline = time.monotonic() + 10
+    while "replica 1" not in (stats := _admin(server, "stats")) or \
+            "breaker open" not in stats.split("replica 1", 1)[1].splitlines()[0]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.5)
+    assert "overload     breaker closed" in stats
     before = _queried(server)
     assert [_complete(server, [9 + i] * 20) for i in range(4)] == [200] * 4
     after = _queried(server)

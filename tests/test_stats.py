@@ -139,6 +139,8 @@ def test_replicas_stats_add_up_with_the_worst_levels():
     b = {**a, "time": 2.0, "running": 1, "overload_level": 0, "replica": 1, "congested": True,
          "forecast": {"60": 2.0}}
     out = total([a, b])
+    # One replica's breaker open (its rejections none: the other took every request).
+    assert total([a, {**b, "breaker": "closed", "breaker_rejected": 0}])["breaker"] == "closed"
     assert (out["running"], out["kv_blocks_total"], out["generated_tokens"]) == (3, 20, 14)
     assert (out["time"], out["overload_level"], out["congested"]) == (2.0, 1, True)
     assert (out["breaker"], out["breaker_rejected"], out["forecast"]) == ("open", 3,
