@@ -108,7 +108,7 @@ class BatchApi:
                                     "the Batch API only", param="purpose")
             if filename is None:
                 raise ApiError(400, "no file in the upload (form field 'file')", param="file")
-            expires = _expiry(expiry, "expires_after") if expiry else None
+            expires = _expiry(expiry) if expiry else None
             await asyncio.to_thread(_check_jsonl, path)
         except BaseException:
             path.unlink(missing_ok=True)
@@ -223,13 +223,13 @@ class BatchApi:
         return _json(cancelled or batch)
 
 
-def _expiry(fields: dict[str, object], param: str) -> ExpiresAfter:
-    """A form's expires_after[...] fields, checked as the JSON field is."""
+def _expiry(fields: dict[str, object]) -> ExpiresAfter:
+    """An upload form's expires_after[...] fields, checked as batches' JSON field is."""
     try:
         return msgspec.convert(fields, ExpiresAfter)
     except msgspec.ValidationError as e:
-        raise ApiError(400, f"{param}: {e} (anchor must be created_at, seconds a whole number "
-                            "from 3600 to 2592000)", param=param) from None
+        raise ApiError(400, f"expires_after: {e} (anchor must be created_at, seconds a whole "
+                            "number from 3600 to 2592000)", param="expires_after") from None
 
 
 def add_off_routes(app: web.Application, why: str) -> None:
