@@ -338,16 +338,22 @@ class Frontend:
             return _event({**chunk, "usage": usage(prompt_tokens, generated, cached)} if running
                           else chunk)
 
+        # The role (and echo) chunks: at once, or with usage on every chunk, with the first
+        # piece, which says how much of the prompt the prefix cache held.
+        preamble = [*opening, *({**head, "choices": [choice(p)]} for p in first)]
         try:
             await response.prepare(request)
-            for chunk in opening:
-                await response.write(event(chunk))
-            for piece in first:
-                await response.write(event({**head, "choices": [choice(piece)]}))
+            if not running:
+                for chunk in preamble:
+                    await response.write(event(chunk))
+                preamble = []
             async with aclosing(pieces) as stream:
                 async for piece in stream:
-                    generated += piece.num_tokens
                     cached += cached_of(piece, body.n)
+                    for chunk in preamble:
+                        await response.write(event(chunk))
+                    preamble = []
+                    generated += piece.num_tokens
                     c = choice(piece)
                     # Nothing to show (text held back: a character or a tool call not yet
                     # complete) is no chunk, as vLLM sends none.

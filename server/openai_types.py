@@ -29,9 +29,10 @@ MAX_STOP_TOKEN_IDS = 256
 
 
 class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
-    include_usage: bool = False
+    # null: not given (as vLLM's Optional fields read it)
+    include_usage: bool | None = None
     # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it).
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):

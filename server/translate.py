@@ -35,7 +35,6 @@ _INLINE_TOKENIZE_CHARS = 4096
 _AT = re.compile(r"`\$\.([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
-_TOP_LEVEL_NULL = re.compile(r"got `null` - at `\$\.\w+`$")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
@@ -294,14 +293,15 @@ class RequestTranslator:
 
 def _decoded(raw: bytes, kind: type[T]) -> T:
     """The body as kind. A top-level null is the field's default, as OpenAI reads it (the
-    openai client sends `presence_penalty: null` for None): decoded again without them only
-    where one was refused, so a plain body is read once."""
+    openai client sends `presence_penalty: null` for None), and a field surge does not
+    implement sent as null is not given: decoded again without them only where the first
+    reading refused the body, so a plain body is read once."""
     try:
         return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as e:
-        if not _TOP_LEVEL_NULL.search(str(e)):
-            raise
+    except msgspec.ValidationError:
         fields = msgspec.json.decode(raw)
+        if not isinstance(fields, dict) or None not in fields.values():
+            raise
         return msgspec.convert({k: v for k, v in fields.items() if v is not None}, kind)
 
 

@@ -106,6 +106,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
     assert chunks[-1].choices == [] and all(c.choices for c in chunks[:-1])
+    # Asked again, the prefix cache holds the prompt's blocks: every chunk says so, the role
+    # chunk too (it waits for the first token, which brings the count). null: not given.
+    again = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT[0], temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "suffix": None}))
+    cached = {c.usage.prompt_tokens_details.cached_tokens for c in again}
+    assert len(cached) == 1 and cached.pop() > 0, [c.usage for c in again]
+    assert again[0].choices[0].delta.role == "assistant" and again[0].usage.completion_tokens == 0
 
 
 def test_streamed_chat_equals_non_streamed(client):

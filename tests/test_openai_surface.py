@@ -457,6 +457,25 @@ def test_a_top_level_null_is_the_fields_default(server):
     assert code == 400 and payload["error"]["param"] == "messages", payload
     code, payload = server.post("/v1/chat/completions", {**base, "n": None, "top_p": "x"})
     assert code == 400 and payload["error"]["param"] == "top_p", payload
+    # A field surge does not implement, null, is not given (a value is refused by name), and
+    # stream_options' fields read null as vLLM's do.
+    unimplemented = dict.fromkeys(("suffix", "service_tier", "store", "metadata", "best_of",
+                                   "reasoning_effort", "functions", "function_call"))
+    code, payload = server.post("/v1/chat/completions", {**base, **unimplemented})
+    assert code == 200 and payload["choices"] == want["choices"], payload
+    code, payload = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                    "suffix": None, "store": None})
+    assert code == 200, payload
+    code, payload = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                    "suffix": "x", "store": None})
+    assert code == 400 and "suffix" in payload["error"]["message"], payload
+    request = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps({
+        "prompt": "hi", "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": None, "continuous_usage_stats": None}}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        events = r.read().decode()
+    assert r.status == 200 and '"usage"' not in events and events.endswith("[DONE]\n\n")
 
 
 def test_body_too_large(server):
