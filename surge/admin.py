@@ -72,12 +72,20 @@ def _pairs(values: list[str]) -> dict[str, str]:
 
 
 def _config_path(runtime_dir: str) -> str:
-    """The server's config file, which --persist writes to."""
+    """The server's config file, which --persist writes to: refused (ValueError) before
+    anything is applied where there is none or this user may not write it."""
     path = recorded(runtime_dir, "config")
     if path is None:
         raise ValueError("--persist needs the server's config file, and this server was "
                          "started without --config; nothing was changed (start it with "
                          "--config FILE, or drop --persist)")
+    try:
+        with open(path, "r+"):  # opened for writing, not truncated
+            pass
+    except OSError as e:
+        raise ValueError(f"--persist cannot write the server's config file {path} "
+                         f"({e.strerror}); nothing was changed (run surge admin as a user "
+                         f"who may write it, or drop --persist)") from None
     return path
 
 
@@ -104,8 +112,9 @@ def _persist(runtime_dir: str, values: dict[str, object]) -> str:
             place.pop(field, None)
         else:
             place[field] = value
+    text = tomlkit.dumps(doc)  # all of it before the file is truncated
     with open(path, "w") as f:
-        tomlkit.dump(doc, f)
+        f.write(text)
     return path
 
 
@@ -359,6 +368,7 @@ def run_admin(args: argparse.Namespace) -> int:
             written = {k: values[k] if is_secret(k) else reply.values[k] for k in values}
             print(f"written to {_persist(runtime_dir, written)}")
         except (ValueError, OSError, LookupError) as e:
-            print(f"surge admin: {e}", file=sys.stderr)
+            print(f"surge admin: applied live but NOT written to the config file: {e}",
+                  file=sys.stderr)
             return 1
     return 0 if reply.ok else 1

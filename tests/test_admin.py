@@ -80,6 +80,19 @@ def test_admin_round_trip(tmp_path):
         (a_first, a_end), (b_first, b_end) = _two_requests_at_once(server.url)
         assert b_first >= a_end - 0.05
         assert tomllib.loads(config.read_text())["scheduler"]["max_num_seqs"] == 1
+        # A config file this user may not write (here: a folder in its place, which root
+        # cannot write either): refused before anything is applied, naming the file.
+        kept = config.read_bytes()
+        config.unlink()
+        config.mkdir()
+        try:
+            code, reply = _admin(env, port, "set", "--persist", "max_num_seqs=2")
+            assert code == 2 and "cannot write the server's config file" in reply, reply
+            assert str(config) in reply and "nothing was changed" in reply
+            assert _admin(env, port, "get")[1]["values"]["max_num_seqs"] == 1
+        finally:
+            config.rmdir()
+            config.write_bytes(kept)
         # reload re-reads the file (as SIGHUP does): what it says replaces every live edit,
         # a tenant set live and not persisted included.
         assert _admin(env, port, "set", "tenants.passing.weight=3")[0] == 0
