@@ -303,7 +303,7 @@ def _reload_outcome(runtime_dir: str, before: str | None) -> int:
     if not outcome.get("ok"):
         print(f"surge admin: {outcome.get('message')}", file=sys.stderr)
         return 1
-    print("reloaded")
+    print(outcome.get("message"))
     return 0
 
 

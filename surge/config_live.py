@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from surge.config import TABLES, SurgeConfig
+from surge.config import SECTIONS, TABLES, SurgeConfig
 from surge.config_frontend import RoutingConfig
 from surge.config_overload import OverloadConfig
 
@@ -43,6 +43,22 @@ LIVE: dict[str, tuple[str, ...]] = {
     "routing": tuple(RoutingConfig.__struct_fields__),
 }
 LIVE_SECTION = {name: section for section, names in LIVE.items() for name in names}
+
+
+def with_live(cfg: SurgeConfig, new: SurgeConfig) -> SurgeConfig:
+    """cfg with new's live parameters (a reload's) and its own others, which only a restart
+    applies (a worker restarted later must size its KV cache as the running scheduler did)."""
+    sections = {section: msgspec.structs.replace(
+        getattr(cfg, section), **{name: getattr(getattr(new, section), name) for name in names})
+        for section, names in LIVE.items()}
+    return msgspec.structs.replace(cfg, **sections, **{t: getattr(new, t) for t in TABLES})
+
+
+def restart_only(old: SurgeConfig, new: SurgeConfig) -> list[str]:
+    """The options new gives another value than old and that only a restart applies."""
+    return [name for section in SECTIONS
+            for name, value in msgspec.structs.asdict(getattr(new, section)).items()
+            if name not in LIVE_SECTION and value != getattr(getattr(old, section), name)]
 
 
 def live_values(cfg: SurgeConfig) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import zmq
 
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
-from surge.config_live import flatten
+from surge.config_live import flatten, live_values, restart_only, with_live
+from surge.config_load import load_config
 from surge.log import announce, setup_logging
 from surge.process import title
 from surge.protocol import WorkerFailed, encode
@@ -63,6 +64,9 @@ class Supervisor:
         self.cfg = cfg
         self.num_workers = cfg.model.group_size  # of one replica: P stages x T ranks
         self.flags = flags or {}  # to rebuild the config on reload
+        # As loaded at start, devices unresolved: what a reload's options needing a restart
+        # are compared with.
+        self.started_with = load_config(self.flags)
         self.reload_requested = False
         self.ctx = mp.get_context("spawn")
         num_replicas = cfg.model.data_parallel_size
@@ -221,7 +225,6 @@ class Supervisor:
         """SIGHUP: read the config again and hand the live parameters to the scheduler."""
         from surge.admin import ask_all
         from surge.config import ConfigError
-        from surge.config_load import load_config
 
         try:
             new = load_config(self.flags)
@@ -230,10 +233,15 @@ class Supervisor:
             return
         reply = ask_all([r.channels.admin for r in self.replicas], "reload", flatten(new))
         if reply.ok:
-            self.cfg = msgspec.structs.replace(self.cfg, scheduler=new.scheduler,
-                                               speculative=new.speculative,
-                                               tenants=new.tenants)
-            self._reloaded(True, f"reloaded: {reply.values}")
+            before = live_values(self.cfg)
+            self.cfg = with_live(self.cfg, new)
+            after = live_values(self.cfg)
+            changed = sorted(k for k in before.keys() | after.keys()
+                             if before.get(k) != after.get(k))
+            message = f"reloaded: {', '.join(changed) or 'no live parameter'} changed"
+            if restart := restart_only(self.started_with, new):
+                message += f"; not applied, as only a restart does: {', '.join(restart)}"
+            self._reloaded(True, message)
         elif reply.message.startswith("replica "):  # a replica after the first refused it
             self._reloaded(False, f"reload refused partway: {reply.message}")
         else:

@@ -97,9 +97,12 @@ def test_admin_round_trip(tmp_path):
         # a tenant set live and not persisted included.
         assert _admin(env, port, "set", "tenants.passing.weight=3")[0] == 0
         config.write_text("[scheduler]\nmax_num_seqs = 5\nbatch_wait_ms = 3\n"
-                          "[tenants.kept]\nweight = 2\n")
-        # It waits for the outcome: applied when it returns.
-        assert _admin(env, port, "reload")[0] == 0
+                          "block_size = 32\n[tenants.kept]\nweight = 2\n")
+        # It waits for the outcome: applied when it returns, naming what changed and what
+        # only a restart applies.
+        code, said = _admin(env, port, "reload")
+        assert code == 0 and said.startswith("reloaded: ") and "max_num_seqs" in said, said
+        assert "not applied, as only a restart does: block_size" in said
         values = _admin(env, port, "get")[1]["values"]
         assert values["max_num_seqs"] == 5
         assert values["batch_wait_ms"] == 3 and values["tenants.kept.weight"] == 2

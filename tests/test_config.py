@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 
-from surge.config import ConfigError
+from surge.config import ConfigError, TenantConfig
 from surge.config_load import add_arguments, load_config, parse_memory
 
 
@@ -195,3 +196,18 @@ def test_a_reload_builds_each_table_whole_as_the_file_does(tmp_path):
     reloaded = updated(cfg, flatten(cfg), whole=True)
     assert not isinstance(reloaded, str), reloaded
     assert reloaded.tenants == cfg.tenants
+
+
+def test_a_reload_takes_the_live_values_and_names_the_others():
+    from surge.config_live import restart_only, with_live
+
+    running = load_config({}, {})
+    scheduler = msgspec.structs.replace(running.scheduler, max_num_seqs=5, block_size=32,
+                                        kv_cache_memory="2GiB")
+    new = msgspec.structs.replace(running, scheduler=scheduler, tenants={
+        "vip": TenantConfig(weight=3)})
+    assert restart_only(running, new) == ["block_size", "kv_cache_memory"]
+    kept = with_live(running, new)
+    assert kept.scheduler.max_num_seqs == 5 and kept.tenants["vip"].weight == 3
+    # A worker restarted after the reload sizes its KV cache as the running scheduler did.
+    assert (kept.scheduler.block_size, kept.scheduler.kv_cache_memory) == (16, "1GiB")
