@@ -16,7 +16,7 @@ from aiohttp import web
 from scheduler.admission import too_urgent
 from server.auth import auth_middleware
 from server.connections import ConnectionGuard, connection_limit
-from server.context_keys import MAX_BODY_BYTES, TENANT
+from server.context_keys import MAX_BODY_BYTES, REQUEST_ID, TENANT
 from server.engine_client import EngineClient
 from server.errors import ApiError, draining_error, error_body, error_middleware
 from server.generate import Piece, generate, merge, submit
@@ -150,13 +150,15 @@ class Frontend:
         """The endpoint's answer to a prepared body; without a request (a batch line) the body
         must not stream."""
         chat = kind == "chat"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-" \
+              f"{request[REQUEST_ID] if request is not None else uuid.uuid4().hex}"
         n = len(prompts) * body.n
         pieces, degraded, cached = await self._cached_or_run(
             tenant, request.headers if request is not None else {}, body, kind, rid, prompts,
             max_tokens, logprobs, n)
         # A degraded request is never silently so (see scheduler/overload.py).
-        headers = {"X-Request-Id": rid, **({"X-Surge-Degraded": degraded} if degraded else {}),
+        headers = {**({"X-Request-Id": request[REQUEST_ID]} if request is not None else {}),
+                   **({"X-Surge-Degraded": degraded} if degraded else {}),
                    **({"X-Surge-Cache": cached} if cached else {})}
         echo = [""] * n
         if not chat and body.echo:

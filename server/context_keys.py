@@ -9,3 +9,6 @@ from aiohttp import web
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 # The tenant a request's API key names (auth_middleware; "default" without keys).
 TENANT = web.RequestKey("tenant", str)
+# The request's id: its client's X-Request-Id, else a new one (error_middleware); the answer's
+# id is it with the endpoint's prefix (cmpl-, chatcmpl-).
+REQUEST_ID = web.RequestKey("request_id", str)

@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from server.breaker import Breaker, Breakers
+from server.errors import ApiError
 from server.fleet import Fleet, each
 from surge.config import SurgeConfig
 from surge.protocol import (
@@ -143,6 +144,10 @@ class EngineClient:
         """Send one API request's engine requests in one message (admitted as a unit); the
         stream of outputs of each. probe: the breaker (Breakers.admit) whose replica takes them
         as its probe; else any replica whose breaker is closed."""
+        if any(r.request_id in self.streams for r in requests):  # a client's id, reused
+            raise ApiError(409, f"a request with the id {requests[0].request_id!r} is still "
+                                "running; give each request its own X-Request-Id",
+                           param="X-Request-Id")
         data = encode(EngineRequests(requests))
         streams: list[asyncio.Queue[RequestOutput]] = []
         for request in requests:

@@ -7,6 +7,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -14,11 +15,13 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from server.context_keys import MAX_BODY_BYTES, TENANT
+from server.context_keys import MAX_BODY_BYTES, REQUEST_ID, TENANT
 from surge import metrics
 
 log = logging.getLogger("surge.frontend")
 access = logging.getLogger("surge.access")
+# A client's X-Request-Id that surge takes as the request's id (as vLLM does).
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "not_found_error",
@@ -122,15 +125,27 @@ def _is_target(line: str | bytes | bytearray) -> bool:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Every failure as an OpenAI error body; every request as one access-log line."""
+    """Every failure as an OpenAI error body; every request as one access-log line; every
+    answer with its X-Request-Id."""
     started = time.monotonic()
+    given = request.headers.get("X-Request-Id")
+    request[REQUEST_ID] = given if given is not None and _REQUEST_ID.fullmatch(given) else \
+        uuid.uuid4().hex
     try:
+        if given is not None and request[REQUEST_ID] != given:
+            raise ApiError(400, "X-Request-Id must be 1 to 128 printable ASCII characters "
+                                "without spaces; leave it out and surge makes one",
+                           param="X-Request-Id")
         response = await _answer(request, handler)
     except asyncio.CancelledError:
         # aiohttp cancels the handler when its client goes (handler_cancellation): still one
         # line and one count, as nginx's 499 "client closed request".
         _account(request, 499, started)
         raise
+    except ApiError as e:
+        response = _error(e)
+    if not response.prepared:  # a stream sent its own as it began
+        response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
     _account(request, response.status, started)
     return response
 
@@ -148,7 +163,15 @@ def account(request: web.Request, endpoint: str, line: str, status: int, started
     metrics.requests.labels(endpoint, str(status)).inc()
     access.info("%s %d", line, status, extra={
         "status": status, "duration_ms": round((time.monotonic() - started) * 1000, 1),
-        "peer": request.remote, "tenant": request.get(TENANT), **fields})
+        "peer": request.remote, "tenant": request.get(TENANT),
+        "request_id": request.get(REQUEST_ID), **fields})
+
+
+def _error(e: ApiError) -> web.Response:
+    response = error_response(e.status, e.message, e.param, e.code)
+    if e.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+    return response
 
 
 async def _answer(
@@ -157,10 +180,7 @@ async def _answer(
     try:
         return await handler(request)
     except ApiError as e:
-        response = error_response(e.status, e.message, e.param, e.code)
-        if e.retry_after is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-        return response
+        return _error(e)
     except web.HTTPException as e:
         if e.status < 400:
             raise

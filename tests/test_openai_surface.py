@@ -673,3 +673,48 @@ def test_websocket_instant_cancel_and_refused_fields(server):
     assert ("l", "error", None) in ends  # logprobs 0 is refused like its HTTP twin
     assert ("k", "error", None) in ends and (None, "error", None) in ends
     assert ends[-1] == ("x", "done", "length")
+
+
+def _headed(server, body: dict, **headers: str) -> tuple[int, dict, dict]:
+    """POST /v1/completions: status, headers, body."""
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.load(e)
+
+
+def test_a_clients_x_request_id_is_the_requests_id(server):
+    """As vLLM: the client's X-Request-Id names the request (answer id, logs, header), every
+    answer carries one, errors too; one still running refuses a second with the same id."""
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    status, headers, answer = _headed(server, body, **{"X-Request-Id": "gw-42.a"})
+    assert status == 200 and headers["X-Request-Id"] == "gw-42.a" and \
+        answer["id"] == "cmpl-gw-42.a", (headers, answer)
+    status, headers, answer = _headed(server, body)
+    assert status == 200 and re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+    assert answer["id"] == f"cmpl-{headers['X-Request-Id']}"
+    status, headers, answer = _headed(server, {**body, "top_p": 7}, **{"X-Request-Id": "gw-43"})
+    assert status == 400 and headers["X-Request-Id"] == "gw-43", answer
+    status, headers, answer = _headed(server, body, **{"X-Request-Id": "x" * 129})
+    assert status == 400 and answer["error"]["param"] == "X-Request-Id", answer
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+    log = server.output()
+    assert re.search(r"POST /v1/completions 400 .*request_id=gw-43", log), log[-2000:]
+    assert re.search(r"request ok .*request_id=cmpl-gw-42\.a", log), log[-2000:]
+
+    async def twice() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            async def post(delay: float) -> int:
+                await asyncio.sleep(delay)
+                async with session.post(f"{server.url}/v1/completions", json={
+                        "prompt": "Count:", "max_tokens": 64, "ignore_eos": True},
+                        headers={"X-Request-Id": "same"}) as r:
+                    await r.read()
+                    return r.status
+            return await asyncio.gather(post(0), post(0.3))
+
+    assert asyncio.run(twice()) == [200, 409]
+    assert _headed(server, body, **{"X-Request-Id": "same"})[0] == 200  # once it has ended
