@@ -4,6 +4,7 @@ field (surge.config holds the typed sections), and memory sizes such as kv_cache
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import tomllib
@@ -106,7 +107,8 @@ def load_config(
     try:
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid configuration: {e}{_set_by(origin, str(e))}") from e
+        raise ConfigError(f"invalid configuration: {e}{_nearest(str(e))}"
+                          f"{_set_by(origin, str(e))}") from e
     if problem := oversized(cfg):
         raise ConfigError(problem + _set_by(origin, problem))
     if problem := cfg.speculative.problem() or tenants_problem(cfg.tenants, cfg.batch) or \
@@ -115,9 +117,25 @@ def load_config(
     return cfg
 
 
+# msgspec's words for a key a section does not have.
+_UNKNOWN = re.compile(r"unknown field `([^`]+)` - at `\$\.(\w+)`")
+
+
+def _nearest(problem: str) -> str:
+    """For an unknown key of a section: the section's key nearest its spelling, if one is."""
+    found = _UNKNOWN.search(problem)
+    struct = SECTIONS.get(found[2]) if found else None
+    near = difflib.get_close_matches(found[1], struct.__struct_fields__, n=1) \
+        if found and struct else []
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
 def _set_by(origin: dict[str, str], problem: str) -> str:
     """Where the value a problem names was set (its flag, variable or file), as its message's
-    tail: msgspec names it as `$.section.name`, oversized() as section.name."""
+    tail: msgspec names it as `$.section.name` (an unknown one as `name` at `$.section`),
+    oversized() as section.name."""
+    if unknown := _UNKNOWN.search(problem):
+        problem = f"`$.{unknown[2]}.{unknown[1]}`"
     found = re.search(r"`\$\.([^`]+)`", problem) or re.match(r"([\w.-]+) = ", problem)
     key = re.sub(r"\[[^]]*\]", "", found[1]) if found else ""  # a table's [...] entry
     while key and key not in origin:

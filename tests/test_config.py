@@ -67,6 +67,10 @@ def test_env_config_path_and_bool_flags(tmp_path):
      r"tenants\.bulk\.priority=10 is not below batch_priority=5"),
     ([], {}, "[tenants.vip]\npriority = 0\nmin_priority = 1\n",
      r"tenants\.vip\.min_priority=1 is above its priority=0"),
+    # A misspelt key: the nearest one, and the file.
+    ([], {}, "[scheduler]\nmax_num_seq = 4\n",
+     r"unknown field `max_num_seq` - at `\$\.scheduler` \(did you mean max_num_seqs\?\) "
+     r"\(set by .*bad\.toml\)"),
     # Requests of no named tenant run at the default tenant's priority (0).
     (["--batch-priority", "0"], {}, None,
      r"tenants\.\(default\)\.priority=0 is not below batch_priority=0"),
