@@ -367,6 +367,11 @@ def run_admin(args: argparse.Namespace) -> int:
             # only says it is set).
             written = {k: values[k] if is_secret(k) else reply.values[k] for k in values}
             print(f"written to {_persist(runtime_dir, written)}")
+            beaten = json.loads(recorded(runtime_dir, "overrides") or "{}")
+            for key in values.keys() & beaten.keys():
+                print(f"surge admin: note: {key} is also set by {beaten[key]}, which beats the "
+                      f"config file: a reload or a restart takes {beaten[key]}'s value",
+                      file=sys.stderr)
         except (ValueError, OSError, LookupError) as e:
             print(f"surge admin: applied live but NOT written to the config file: {e}",
                   file=sys.stderr)

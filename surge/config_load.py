@@ -97,13 +97,11 @@ def load_config(
                                   f"{', '.join([*SECTIONS, *TABLES])}")
             merged[section].update(values)
             origin.update({f"{section}.{name}": path for name in values})
-    for name, (section, _) in _options().items():
-        if f"SURGE_{name.upper()}" in env:
-            merged[section][name] = env[f"SURGE_{name.upper()}"]
-            origin[f"{section}.{name}"] = f"SURGE_{name.upper()}"
-        if flags.get(name) is not None:
-            merged[section][name] = flags[name]
-            origin[f"{section}.{name}"] = "--" + name.replace("_", "-")
+    options = _options()
+    for name, (source, value) in overrides(flags, env).items():
+        section = options[name][0]
+        merged[section][name] = value
+        origin[f"{section}.{name}"] = source
     try:
         cfg = msgspec.convert(merged, SurgeConfig, strict=False)
     except msgspec.ValidationError as e:
@@ -128,6 +126,18 @@ def _nearest(problem: str) -> str:
     near = difflib.get_close_matches(found[1], struct.__struct_fields__, n=1) \
         if found and struct else []
     return f" (did you mean {near[0]}?)" if near else ""
+
+
+def overrides(flags: dict[str, Any], env: typing.Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+    """The options flags and SURGE_* variables set, which beat the file: name -> (the flag or
+    variable that wins, its value)."""
+    found: dict[str, tuple[str, Any]] = {}
+    for name in _options():
+        if f"SURGE_{name.upper()}" in env:
+            found[name] = (f"SURGE_{name.upper()}", env[f"SURGE_{name.upper()}"])
+        if flags.get(name) is not None:
+            found[name] = ("--" + name.replace("_", "-"), flags[name])
+    return found
 
 
 def _set_by(origin: dict[str, str], problem: str) -> str:

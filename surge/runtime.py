@@ -87,8 +87,12 @@ class Channels(Struct, frozen=True):
         return f"{kind} {self.replica}" if rank is None else f"{kind} {self.replica}.{rank}"
 
     def describe(self, host: str, port: int, config: str | None,
-                 api_keys_file: str | None = None) -> None:
+                 api_keys_file: str | None = None,
+                 overrides: dict[str, str] | None = None) -> None:
+        """overrides: the options a flag or a SURGE_* variable set (name -> which), over the
+        config file's."""
         _record(self.runtime_dir, "port", str(port))
+        _record(self.runtime_dir, "overrides", msgspec.json.encode(overrides or {}).decode())
         _record(self.runtime_dir, "url",
                 f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
         if config:

@@ -19,7 +19,7 @@ import zmq
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
 from surge.config_live import flatten, live_values, restart_only, with_live
-from surge.config_load import load_config
+from surge.config_load import load_config, overrides
 from surge.log import announce, setup_logging
 from surge.process import title
 from surge.protocol import WorkerFailed, encode
@@ -78,7 +78,9 @@ class Supervisor:
         # What `surge admin` needs to find this server and its config file.
         self.channels.describe(host=cfg.server.host, port=cfg.server.port,
                                config=self.flags.get("config") or os.environ.get("SURGE_CONFIG"),
-                               api_keys_file=cfg.server.api_keys_file)
+                               api_keys_file=cfg.server.api_keys_file,
+                               overrides={name: source for name, (source, _) in
+                                          overrides(self.flags, os.environ).items()})
         self.status: Any = self.ctx.Queue()
         self.procs: list[BaseProcess] = []
         self.stopping = False

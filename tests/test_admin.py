@@ -57,7 +57,8 @@ def test_admin_round_trip(tmp_path):
     config = tmp_path / "surge.toml"
     config.write_text("[scheduler]\nmax_num_seqs = 64\n")
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    server = ServerProcess("--config", str(config), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    server = ServerProcess("--config", str(config), env={"XDG_RUNTIME_DIR": str(tmp_path),
+                                                         "SURGE_PRIORITY_AGING_S": "5"})
     server.wait_ready()
     port = server.port
     try:
@@ -80,6 +81,10 @@ def test_admin_round_trip(tmp_path):
         (a_first, a_end), (b_first, b_end) = _two_requests_at_once(server.url)
         assert b_first >= a_end - 0.05
         assert tomllib.loads(config.read_text())["scheduler"]["max_num_seqs"] == 1
+        # A key a SURGE_* variable sets too: written, with a note that the variable wins.
+        noted = _admin_text(env, port, "set", "--persist", "priority_aging_s=7")
+        assert noted.returncode == 0 and "note: priority_aging_s is also set by " \
+            "SURGE_PRIORITY_AGING_S, which beats the config file" in noted.stderr, noted.stderr
         # A config file this user may not write (here: a folder in its place, which root
         # cannot write either): refused before anything is applied, naming the file.
         kept = config.read_bytes()
