@@ -227,7 +227,7 @@ def _capacity(runtime_dir: str, as_json: bool) -> tuple[bool, str]:
 def _table(values: dict[str, object]) -> str:
     """NAME VALUE SECTION, aligned."""
     rows = [("NAME", "VALUE", "SECTION")] + [
-        (name, str(v).lower() if isinstance(v, bool) else str(v),
+        (name, "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v),
          table if (table := name.partition(".")[0]) in TABLES else section_of(name))
         for name, v in values.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
@@ -312,7 +312,8 @@ def run_admin(args: argparse.Namespace) -> int:
         return run_keys(args)
     try:
         runtime_dir = find_server(args.port, args.runtime_dir)
-        values = _pairs(args.values)
+        # get NAME ...: those parameters only
+        values = _pairs(args.values) if args.action != "get" else {}
     except (LookupError, ValueError) as e:
         print(f"surge admin: {e}", file=sys.stderr)
         return 2
@@ -350,6 +351,12 @@ def run_admin(args: argparse.Namespace) -> int:
             print(f"surge admin: {e}", file=sys.stderr)
             return 2
     reply = ask_all(admin_addresses(runtime_dir), args.action, values)
+    if args.action == "get" and args.values and reply.ok:
+        if unknown := [name for name in args.values if name not in reply.values]:
+            print(f"surge admin: no live parameter {', '.join(unknown)}; `surge admin get` "
+                  "lists them all", file=sys.stderr)
+            return 2
+        reply = msgspec.structs.replace(reply, values={n: reply.values[n] for n in args.values})
     if args.json:
         print(json.dumps({"ok": reply.ok, "message": reply.message, "values": reply.values},
                          indent=2))

@@ -21,17 +21,18 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     admin = commands.add_parser(
         "admin", help="inspect and tune a running server (local only)",
-        description="get: live parameters; set K=V ...: change them at the next step (refused "
-                    "whole if any is invalid); stats: a summary; reload: re-read the config "
-                    "file (as SIGHUP); drain: finish what is in flight, then stop (as SIGTERM); "
-                    "keys add TENANT [--key KEY] | keys remove ID | keys list: the API keys "
-                    "(applied by the server without a restart); top: a live view, refreshed "
-                    "every second; capacity: the load, the capacity served lately and the "
-                    "arrival forecast (what autoscalers read)")
+        description="get [NAME ...]: live parameters; set K=V ...: change them at the next step "
+                    "(refused whole if any is invalid); stats: a summary; reload: re-read the "
+                    "config file (as SIGHUP); drain: finish what is in flight, then stop (as "
+                    "SIGTERM); keys add TENANT [--key KEY] | keys remove ID | keys list: the API "
+                    "keys (applied by the server without a restart); top: a live view, refreshed "
+                    "every second; capacity: the load, the capacity served lately and the arrival "
+                    "forecast (what autoscalers read)")
     admin.add_argument("action", choices=["get", "set", "stats", "capacity", "top", "reload",
                                           "drain", "keys"])
     admin.add_argument("values", nargs="*", metavar="ARG",
-                       help="set: KEY=VALUE pairs; keys: add TENANT, remove ID or list")
+                       help="get: NAMEs to show only those; set: KEY=VALUE pairs; keys: add "
+                            "TENANT, remove ID or list")
     admin.add_argument("--port", type=int, default=None, help="the server's HTTP port")
     admin.add_argument("--runtime-dir", default=None, help="the server's runtime dir")
     admin.add_argument("--persist", action="store_true",

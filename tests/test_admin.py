@@ -151,6 +151,12 @@ def test_admin_table_errors_persist_and_top(tmp_path):
         assert row.split() == ["max_num_seqs", "128", "scheduler"]
         assert row.index("128") == header.index("VALUE")
         assert len({r.rstrip().rindex(" ") for r in rows}) == 1  # SECTION aligned too
+        # get NAME ...: those only; an unknown one is named.
+        one = _admin_text(env, server.port, "get", "max_num_seqs", "policy")
+        assert one.returncode == 0 and [r.split()[0] for r in one.stdout.splitlines()] == \
+            ["NAME", "max_num_seqs", "policy"], one
+        unknown = _admin_text(env, server.port, "get", "max_num_seq")
+        assert unknown.returncode == 2 and "no live parameter max_num_seq" in unknown.stderr
         # A refused set: one line with the reason, nothing on stdout.
         bad = _admin_text(env, server.port, "set", "max_num_seqs=0")
         assert bad.returncode == 1 and not bad.stdout
