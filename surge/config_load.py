@@ -92,6 +92,10 @@ def load_config(
                 merged[section] = values
                 origin[section] = path
                 continue
+            if section in _options() and not isinstance(values, dict):
+                raise ConfigError(f"{path}: {section} is an option of [{_options()[section][0]}]"
+                                  f"; write it under that section (the file has no top-level "
+                                  f"options)")
             if section not in merged or not isinstance(values, dict):
                 raise ConfigError(f"{path}: unknown section [{section}]; known: "
                                   f"{', '.join([*SECTIONS, *TABLES])}")

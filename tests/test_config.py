@@ -67,6 +67,7 @@ def test_env_config_path_and_bool_flags(tmp_path):
      r"tenants\.bulk\.priority=10 is not below batch_priority=5"),
     ([], {}, "[tenants.vip]\npriority = 0\nmin_priority = 1\n",
      r"tenants\.vip\.min_priority=1 is above its priority=0"),
+    ([], {}, "port = 9000\n", r"port is an option of \[server\]; write it under that section"),
     # A misspelt key: the nearest one, and the file.
     ([], {}, "[scheduler]\nmax_num_seq = 4\n",
      r"unknown field `max_num_seq` - at `\$\.scheduler` \(did you mean max_num_seqs\?\) "
