@@ -38,6 +38,11 @@ class Waiting(Protocol):
     def __iter__(self) -> Iterator[Queued]: ...
 
 
+def table_of(tenants: dict[str, TenantConfig], name: str) -> str:
+    """The [tenants.NAME] table a tenant's limits come from."""
+    return name if name in tenants else INHERITED["tenants"]
+
+
 def limits_of(tenants: dict[str, TenantConfig], name: str) -> TenantConfig:
     """Tenants without a [tenants.NAME] table share the [tenants.default] limits."""
     return tenants.get(name) or tenants.get(INHERITED["tenants"]) or TenantConfig()
@@ -52,9 +57,9 @@ def too_urgent(tenants: dict[str, TenantConfig], name: str, priority: int) -> st
         None if name == INHERITED["tenants"] else limits.priority
     if floor is None or priority >= floor:
         return None
-    table = name if name in tenants else INHERITED["tenants"]
     return (f"tenant {name!r} may ask for priority {floor} or above (lower is more urgent), "
-            f"not {priority}; an operator can allow it with tenants.{table}.min_priority")
+            f"not {priority}; an operator can allow it with "
+            f"tenants.{table_of(tenants, name)}.min_priority")
 
 
 class Admission:
@@ -78,8 +83,7 @@ class Admission:
         return tenant
 
     def table(self, name: str) -> str:
-        """The [tenants.NAME] table a tenant's limits come from."""
-        return name if name in self.tenant_cfgs else INHERITED["tenants"]
+        return table_of(self.tenant_cfgs, name)
 
     def configure(self, cfg: SchedulerConfig, tenants: dict[str, TenantConfig],
                   overload: OverloadConfig, now: float) -> None:

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from scheduler.admission import too_urgent
 from server.auth import auth_middleware
+from server.breaker import Ticket
 from server.connections import ConnectionGuard, connection_limit
 from server.context_keys import MAX_BODY_BYTES, REQUEST_ID, TENANT
 from server.engine_client import EngineClient
@@ -100,24 +101,27 @@ class Frontend:
         taken them all (or raise its refusal, or the circuit breaker's); their pieces merged,
         and how the degradation ladder changed them (None: not at all). headers: the HTTP
         request's, whose traceparent a trace continues."""
-        probe = self.engine.breakers.admit()
-        # A refusal says nothing of the engine: the breaker hears None.
+        self.engine.breakers.taking()  # the 503 at once, before the body's translation
+        ticket = Ticket()
+        # A refusal says nothing of the engine: a probe's breaker hears None.
         account = Account(rid, sum(len(p) for p in prompts), tenant, self.translator.model_name,
-                          len(prompts) * body.n, probe.finished if probe else None)
+                          len(prompts) * body.n, ticket.finished)
         try:
             grammar = await self.translator.grammar(body)
-            requests = self.translator.engine_requests(body, rid, prompts, max_tokens,
-                                                       logprobs, tenant, grammar)
+            # The engine's ids are this request's alone, whatever id its client gave it (a
+            # retry may reuse one while the aborted request's last outputs are on their way).
+            requests = self.translator.engine_requests(body, f"{rid}-{uuid.uuid4().hex[:8]}",
+                                                       prompts, max_tokens, logprobs, tenant,
+                                                       grammar)
             if self.tracing is not None:
                 account.trace = self.tracing.start(
                     "chat" if isinstance(body, ChatCompletionRequest) else "completion", rid,
                     headers, {"surge.tenant": tenant, "surge.choices": len(requests),
                               "surge.priority": requests[0].priority or 0,
                               "gen_ai.request.model": self.translator.model_name})
-            taken, degraded = await submit(self.engine, requests, probe)
+            taken, degraded = await submit(self.engine, requests, ticket)
         except ApiError as e:  # refused: its access line is its account
-            if probe:
-                probe.finished(None)
+            ticket.finished(None)
             if account.trace is not None:
                 account.trace.end(f"error {e.status}", [], account.prompt_tokens, 0)
             raise
@@ -258,7 +262,8 @@ class Frontend:
         # A kept answer is no way round the tenant's priority floor (the scheduler's check).
         if body.priority is not None and \
                 (why := too_urgent(self.engine.tenants, tenant, body.priority)) is not None:
-            raise ApiError(400, why)
+            metrics.rejected.labels(tenant, "priority").inc()
+            raise ApiError(400, why, param="priority")
         if key and (kept := await cache.get(key)):
             log.info("request cache hit", extra={"request_id": rid, "tenant": tenant})
             return replay(kept), None, "hit"
@@ -340,32 +345,42 @@ class Frontend:
             return _event({**chunk, "usage": usage(prompt_tokens, generated, cached)} if running
                           else chunk)
 
-        # The role (and echo) chunks: at once, or with usage on every chunk, with the first
-        # piece, which says how much of the prompt the prefix cache held.
+        # The role (and echo) chunks: at once, or with usage on every chunk, once the first
+        # choice's first piece has said how much of the prompt the prefix cache held (the
+        # pieces of other choices before it wait with them).
         preamble = [*opening, *({**head, "choices": [choice(p)]} for p in first)]
+        held: list[Piece] = []
+
+        async def flush() -> None:
+            nonlocal preamble, held, generated
+            for chunk in preamble:
+                await response.write(event(chunk))
+            for piece in held:
+                generated += piece.num_tokens
+                c = choice(piece)
+                # Nothing to show (text held back: a character or a tool call not yet
+                # complete) is no chunk, as vLLM sends none.
+                if c.get("text") or c.get("delta") or c["logprobs"] or c["finish_reason"]:
+                    await response.write(event({**head, "choices": [c]}))
+            preamble, held = [], []
+
         try:
             await response.prepare(request)
             if not running:
-                for chunk in preamble:
-                    await response.write(event(chunk))
-                preamble = []
+                await flush()
             async with aclosing(pieces) as stream:
                 async for piece in stream:
                     cached += cached_of(piece, body.n)
-                    for chunk in preamble:
-                        await response.write(event(chunk))
-                    preamble = []
-                    generated += piece.num_tokens
-                    c = choice(piece)
-                    # Nothing to show (text held back: a character or a tool call not yet
-                    # complete) is no chunk, as vLLM sends none.
-                    if c.get("text") or c.get("delta") or c["logprobs"] or c["finish_reason"]:
-                        await response.write(event({**head, "choices": [c]}))
+                    held.append(piece)
+                    if not preamble or piece.index == 0:
+                        await flush()
+            await flush()
             if options and options.include_usage:
                 await response.write(_event({**head, "choices": [],
                                              "usage": usage(prompt_tokens, generated,
                                                             cached)}))
         except ApiError as e:
+            await flush()
             await response.write(_event(error_body(e.status, e.message)))
         except ConnectionResetError:
             return response  # the client left; aclosing() has aborted its requests

@@ -2,7 +2,7 @@
 once with 503 rather than queue them into failures; after a cool-down let a few probe
 requests through (half-open), and close once they all succeed. With data-parallel replicas
 each has its own (Breakers): one replica failing sends new work to the others, and the
-server refuses only when every replica's breaker does."""
+server refuses only when no replica's breaker takes a request."""
 
 from __future__ import annotations
 
@@ -110,10 +110,23 @@ def refusal(refusing: list[Breaker]) -> ApiError:
                     retry_after=float(max(1, math.ceil(wait))))
 
 
+class Ticket:
+    """A new request's way through the breakers: the breaker whose probe it became, if it did
+    (Breakers.take), told how it ended."""
+
+    def __init__(self) -> None:
+        self.probe: Breaker | None = None
+
+    def finished(self, ok: bool | None) -> None:
+        if self.probe is not None:
+            self.probe.finished(ok)
+            self.probe = None
+
+
 class Breakers:
-    """One breaker a replica. A new request goes to a half-open replica as its probe while
-    one has a slot free (else it would never close), or else to the closed ones; refused
-    only when no replica takes it."""
+    """One breaker a replica. A new request may go to a replica whose breaker is closed, or
+    half-open with a probe slot free (then it is a probe); refused only when no replica
+    takes it."""
 
     def __init__(self, cfg: OverloadConfig, replicas: int,
                  on_change: Callable[[int], None] = lambda replica: None,
@@ -130,22 +143,19 @@ class Breakers:
         metrics.breaker_state.set(min(_STATES[b.state] for b in self.each))
         on_change(replica)
 
-    def admit(self) -> Breaker | None:
-        """Let a new request through, or raise the 503 that refuses it: the breaker whose probe
-        it is (its replica must take it; report its end to finished()), or None (any replica
-        whose breaker is closed may)."""
-        takes = [b.takes() for b in self.each]
-        if "probe" in takes:
-            probe = self.each[takes.index("probe")]
-            probe.probes += 1
-            return probe
-        if "all" in takes:
-            return None
+    def taking(self) -> list[int]:
+        """The replicas that take a new request now, or the 503 that refuses it."""
+        if replicas := [r for r, b in enumerate(self.each) if b.takes()]:
+            return replicas
         raise refusal(self.each)
 
-    def closed(self) -> list[int]:
-        """The replicas that take any new request."""
-        return [r for r, b in enumerate(self.each) if b.state == "closed"]
+    def take(self, replica: int, ticket: Ticket) -> None:
+        """The request goes to replica (one of taking()'s): as its probe where it is
+        half-open."""
+        breaker = self.each[replica]
+        if breaker.takes() == "probe":
+            breaker.probes += 1
+            ticket.probe = breaker
 
     def failure(self, replica: int, reason: str) -> None:
         self.each[replica].failure(reason)

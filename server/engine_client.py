@@ -10,8 +10,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from server.breaker import Breaker, Breakers
-from server.errors import ApiError
+from server.breaker import Breakers, Ticket
 from server.fleet import Fleet, each
 from surge.config import SurgeConfig
 from surge.protocol import (
@@ -139,23 +138,20 @@ class EngineClient:
         sent = self.requests[replica].send(data)
         sent.add_done_callback(_report_send_failure)
 
-    def submit(self, requests: list[EngineRequest], probe: Breaker | None = None
+    def submit(self, requests: list[EngineRequest], ticket: Ticket
                ) -> list[asyncio.Queue[RequestOutput]]:
-        """Send one API request's engine requests in one message (admitted as a unit); the
-        stream of outputs of each. probe: the breaker (Breakers.admit) whose replica takes them
-        as its probe; else any replica whose breaker is closed."""
-        if any(r.request_id in self.streams for r in requests):  # a client's id, reused
-            raise ApiError(409, f"a request with the id {requests[0].request_id!r} is still "
-                                "running; give each request its own X-Request-Id",
-                           param="X-Request-Id")
+        """Send one API request's engine requests in one message (admitted as a unit) to a
+        replica whose circuit breaker takes them (or raise its 503); the stream of outputs of
+        each. ticket: told the breaker whose probe they became, if they did."""
+        taking = self.breakers.taking()
+        replica = 0 if self.fleet is None else self.fleet.place(requests, time.time(), taking)
+        if isinstance(replica, int):
+            self.breakers.take(replica, ticket)
         data = encode(EngineRequests(requests))
         streams: list[asyncio.Queue[RequestOutput]] = []
         for request in requests:
             streams.append(asyncio.Queue())
             self.streams[request.request_id] = streams[-1]
-        replica = 0 if self.fleet is None else self.fleet.place(
-            requests, time.time(),
-            [probe.replica] if probe is not None else self.breakers.closed())
         if isinstance(replica, RequestOutput):  # refused here, as a scheduler would
             self._deliver(each(replica, requests))
         else:

@@ -21,7 +21,7 @@ from surge import metrics
 log = logging.getLogger("surge.frontend")
 access = logging.getLogger("surge.access")
 # A client's X-Request-Id that surge takes as the request's id (as vLLM does).
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "not_found_error",
@@ -128,22 +128,17 @@ async def error_middleware(
     """Every failure as an OpenAI error body; every request as one access-log line; every
     answer with its X-Request-Id."""
     started = time.monotonic()
-    given = request.headers.get("X-Request-Id")
-    request[REQUEST_ID] = given if given is not None and _REQUEST_ID.fullmatch(given) else \
-        uuid.uuid4().hex
+    given = request.headers.get("X-Request-Id", "").strip()
+    # One surge cannot take as it is (too long, not printable) is replaced, not refused: a
+    # proxy's ids must not fail its health checks.
+    request[REQUEST_ID] = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     try:
-        if given is not None and request[REQUEST_ID] != given:
-            raise ApiError(400, "X-Request-Id must be 1 to 128 printable ASCII characters "
-                                "without spaces; leave it out and surge makes one",
-                           param="X-Request-Id")
         response = await _answer(request, handler)
     except asyncio.CancelledError:
         # aiohttp cancels the handler when its client goes (handler_cancellation): still one
         # line and one count, as nginx's 499 "client closed request".
         _account(request, 499, started)
         raise
-    except ApiError as e:
-        response = _error(e)
     if not response.prepared:  # a stream sent its own as it began
         response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
     _account(request, response.status, started)

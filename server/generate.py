@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 from msgspec import Struct
 
-from server.breaker import Breaker
+from server.breaker import Ticket
 from server.detokenizer import Detokenizer
 from server.engine_client import EngineClient
 from server.errors import ApiError
@@ -37,14 +37,13 @@ def refusal(out: RequestOutput) -> ApiError:
                     retry_after=out.retry_after)
 
 
-async def submit(engine: EngineClient, requests: list[EngineRequest],
-                 probe: Breaker | None = None
+async def submit(engine: EngineClient, requests: list[EngineRequest], ticket: Ticket
                  ) -> tuple[list[asyncio.Queue[RequestOutput]], str | None]:
-    """Send one API request's engine requests (probe: see EngineClient.submit) and wait until
+    """Send one API request's engine requests (ticket: see EngineClient.submit) and wait until
     the scheduler takes them (all or none); a refusal raises its ApiError before anything has
     been sent to the client. The streams, and how the degradation ladder changed the request
     (None: not at all)."""
-    streams = engine.submit(requests, probe)
+    streams = engine.submit(requests, ticket)
     ids = [r.request_id for r in requests]
     try:
         firsts = [await stream.get() for stream in streams]

@@ -41,9 +41,10 @@ class Router:
 
     # ---- choosing ----
 
-    def candidates(self, priority: int) -> list[int]:
+    def candidates(self, priority: int, allowed: list[int] | None = None) -> list[int]:
         """The replicas that may take a request of this priority now: its own pools' and the
-        pool-less ones, and once each of those is saturated, the pools taking its overflow."""
+        pool-less ones, and once each of those is saturated (or down, or not `allowed`: its
+        circuit breaker refuses), the pools taking its overflow."""
         pooled: set[int] = set()
         home: set[int] = set()
         homes: list[str] = []
@@ -55,7 +56,8 @@ class Router:
                 homes.append(name)
         home |= set(range(self.num_replicas)) - pooled
         limit = self.routing.route_spill_waiting
-        if home and any(self.waiting[r] < limit and not self.down[r] for r in home):
+        if home and any(self.waiting[r] < limit and not self.down[r] and
+                        (allowed is None or r in allowed) for r in home):
             return sorted(home)
         spill = set(home)
         for pool in self.pools.values():
@@ -87,12 +89,12 @@ class Router:
         """The replica, one of `allowed` (default: any), for a prompt with these prefix names
         (NoReplica: none may serve)."""
         self._expire(now)
-        found = self.candidates(priority)
+        found = self.candidates(priority, allowed)
         if allowed is not None:
             found = [r for r in found if r in allowed]
             if not found:
                 raise NoReplica(f"no replica that serves priority {priority} takes new requests "
-                                f"now: their circuit breakers keep them off")
+                                f"now: their circuit breakers are open")
         found = [r for r in found if not self.down[r]] or found
         least = min(self.load[r] for r in found)
         if hashes:

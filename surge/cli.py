@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         try:
-            cfg = load_config(vars(args))
+            loaded = cfg = load_config(vars(args))
             from gpu_workers.devices import resolve
 
             _check_model(cfg.model.model)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from surge.supervisor import serve
 
-        return serve(cfg, vars(args))
+        return serve(cfg, vars(args), loaded)
     if args.command == "export-tokenizer":
         from surge.model_files import ModelError, tokenizer_files
 

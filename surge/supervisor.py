@@ -18,7 +18,7 @@ import zmq
 
 from shm.ring import RingBuffer
 from surge.config import SurgeConfig
-from surge.config_live import flatten, live_values, restart_only, with_live
+from surge.config_live import flatten, restart_only, with_live
 from surge.config_load import load_config, overrides
 from surge.log import announce, setup_logging
 from surge.process import title
@@ -59,14 +59,14 @@ class _Replica:
 
 
 class Supervisor:
-    def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> None:
-        """cfg.model has its devices resolved (gpu_workers.devices.resolve)."""
+    def __init__(self, cfg: SurgeConfig, flags: dict[str, Any] | None = None,
+                 loaded: SurgeConfig | None = None) -> None:
+        """cfg.model has its devices resolved (gpu_workers.devices.resolve); loaded: cfg as
+        read, before that (what a reload's options needing a restart are compared with)."""
         self.cfg = cfg
         self.num_workers = cfg.model.group_size  # of one replica: P stages x T ranks
         self.flags = flags or {}  # to rebuild the config on reload
-        # As loaded at start, devices unresolved: what a reload's options needing a restart
-        # are compared with.
-        self.started_with = load_config(self.flags)
+        self.started_with = loaded or cfg
         self.reload_requested = False
         self.ctx = mp.get_context("spawn")
         num_replicas = cfg.model.data_parallel_size
@@ -233,13 +233,15 @@ class Supervisor:
         except ConfigError as e:
             self._reloaded(False, f"reload refused, nothing changed: {e}")
             return
-        reply = ask_all([r.channels.admin for r in self.replicas], "reload", flatten(new))
+        addresses = [r.channels.admin for r in self.replicas]
+        before = ask_all(addresses, "get").values  # live edits included
+        reply = ask_all(addresses, "reload", flatten(new))
         if reply.ok:
-            before = live_values(self.cfg)
             self.cfg = with_live(self.cfg, new)
-            after = live_values(self.cfg)
-            changed = sorted(k for k in before.keys() | after.keys()
-                             if before.get(k) != after.get(k))
+            # (a table entry the file no longer has is gone: its keys are dotted; get's
+            # others, such as the kernel backend, are not parameters)
+            changed = sorted({k for k, v in reply.values.items() if before.get(k) != v} |
+                             {k for k in before if "." in k and k not in reply.values})
             message = f"reloaded: {', '.join(changed) or 'no live parameter'} changed"
             if restart := restart_only(self.started_with, new):
                 message += f"; not applied, as only a restart does: {', '.join(restart)}"
@@ -292,11 +294,13 @@ class Supervisor:
         self.channels.remove()
 
 
-def serve(cfg: SurgeConfig, flags: dict[str, Any] | None = None) -> int:
+def serve(cfg: SurgeConfig, flags: dict[str, Any] | None = None,
+          loaded: SurgeConfig | None = None) -> int:
+    """Run the server until it stops; its exit code. cfg, flags, loaded: see Supervisor."""
     # Before the runtime dir records this pid: `surge admin` trusts it by this title.
     setproctitle.setproctitle(title("supervisor"))
     setup_logging(cfg.server.log_level, cfg.server.log_json, "supervisor")
-    sup = Supervisor(cfg, flags)
+    sup = Supervisor(cfg, flags, loaded)
 
     def request_stop(signum: int, frame: object) -> None:
         log.info("received %s; shutting down", signal.Signals(signum).name)

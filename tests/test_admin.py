@@ -107,6 +107,8 @@ def test_admin_round_trip(tmp_path):
         # only a restart applies.
         code, said = _admin(env, port, "reload")
         assert code == 0 and said.startswith("reloaded: ") and "max_num_seqs" in said, said
+        # (undone live edits too: the passing tenant set above, which the file does not have)
+        assert "tenants.passing.weight" in said and "kernel_backend" not in said, said
         assert "not applied, as only a restart does: block_size" in said
         values = _admin(env, port, "get")[1]["values"]
         assert values["max_num_seqs"] == 5

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.overload import Ladder, Step
 from scheduler.scheduler import Scheduler
-from server.breaker import Breakers
+from server.breaker import Breakers, Ticket
 from server.errors import ApiError
 from surge import metrics
 from surge.config import OverloadConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
@@ -28,9 +28,11 @@ def test_the_breaker_opens_half_opens_and_closes_at_the_configured_points():
 
     def admit() -> bool:
         """Let through: as a probe (True) or not (False)."""
-        probe = breakers.admit()
-        assert probe in (None, breaker)
-        return probe is breaker
+        assert breakers.taking() == [0]
+        ticket = Ticket()
+        breakers.take(0, ticket)
+        assert ticket.probe in (None, breaker)
+        return ticket.probe is breaker
 
     def refused() -> ApiError:
         with pytest.raises(ApiError) as e:
@@ -85,12 +87,12 @@ def test_a_breaker_switched_off_live_closes():
     breakers.failure(0, "worker 0 died")
     assert breakers.each[0].state == "open"
     breakers.configure(OverloadConfig(breaker_failures=0))
-    assert breakers.each[0].state == "closed" and breakers.admit() is None
+    assert breakers.each[0].state == "closed" and breakers.taking() == [0]
     breakers.failure(0, "worker 0 died")
     assert breakers.each[0].state == "closed"
 
 
-def test_a_replicas_breaker_sends_work_to_the_others_and_probes_it_alone():
+def test_a_replicas_breaker_sends_work_to_the_others_and_takes_probes_when_half_open():
     now = [0.0]
     told: list[int] = []
     breakers = Breakers(OverloadConfig(breaker_failures=2, breaker_cooldown_s=5,
@@ -100,14 +102,18 @@ def test_a_replicas_breaker_sends_work_to_the_others_and_probes_it_alone():
         breakers.failure(1, "worker 1.0 died")
     assert second.state == "open" and (first.state, third.state) == ("closed", "closed")
     assert told == [1] and "replica 1's" in second.name
-    # Replica 1 refuses new work while the others take it: no 503, no probe.
-    assert breakers.admit() is None and breakers.closed() == [0, 2]
+    # Replica 1 takes no new work while the others do: no 503.
+    assert breakers.taking() == [0, 2]
     assert metrics.breaker_state._value.get() == 0  # the server still serves
-    now[0] = 5  # after the cool-down its one probe goes to it, then the others take the rest
-    assert breakers.admit() is second and second.state == "half-open"
-    assert breakers.admit() is None and breakers.closed() == [0, 2]
-    second.finished(True)
-    assert second.state == "closed" and breakers.closed() == [0, 1, 2]
+    now[0] = 5  # after the cool-down it takes one probe, and the request routed there is it
+    assert breakers.taking() == [0, 1, 2] and second.state == "half-open"
+    elsewhere, probe = Ticket(), Ticket()
+    breakers.take(0, elsewhere)
+    breakers.take(1, probe)
+    assert elsewhere.probe is None and probe.probe is second
+    assert breakers.taking() == [0, 2]  # its one slot is taken
+    probe.finished(True)
+    assert second.state == "closed" and breakers.taking() == [0, 1, 2]
     # Every replica's breaker open: refused, each counts it, the wait is the soonest probe's.
     for replica in (0, 1, 2):
         now[0] = 10 + replica
@@ -115,7 +121,7 @@ def test_a_replicas_breaker_sends_work_to_the_others_and_probes_it_alone():
         breakers.failure(replica, f"worker {replica}.0 died")
     assert metrics.breaker_state._value.get() == 2
     with pytest.raises(ApiError) as e:
-        breakers.admit()
+        breakers.taking()
     assert e.value.status == 503 and e.value.retry_after == 3
     assert "replica 0's circuit breaker open: 2 engine failures" in e.value.message
     assert "replica 2's circuit breaker open" in e.value.message

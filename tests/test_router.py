@@ -103,6 +103,19 @@ def test_a_saturated_pool_spills_only_where_spilling_is_allowed():
     assert _send(router, "i9", [9] * 5) == 0  # room at home again
 
 
+def test_replicas_their_breakers_refuse_are_passed_over_and_their_pools_spill():
+    pools = {"fast": PoolConfig(replicas="0", max_priority=0),
+             "bulk": PoolConfig(replicas="1", min_priority=1, spill_from="fast")}
+    router = _router(pools=pools)
+    # Bulk's replica half-open (allowed, as a probe): priority 0 still goes home to fast.
+    assert router.choose([], 0, 0.0, allowed=[0, 1]) == 0
+    # Fast's replica open: its traffic spills to bulk, which takes fast's overflow.
+    assert router.choose([], 0, 0.0, allowed=[1]) == 1
+    # Bulk's open and fast takes no overflow: a clear 503 naming the breakers.
+    with pytest.raises(NoReplica, match="circuit breakers are open"):
+        router.choose([], 5, 0.0, allowed=[0])
+
+
 def test_no_candidate_is_a_clear_error():
     router = _router(pools={"interactive": PoolConfig(replicas="0-1", max_priority=0)})
     with pytest.raises(NoReplica, match="no replica serves priority 7: the pools are "
