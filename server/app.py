@@ -154,15 +154,14 @@ class Frontend:
         """The endpoint's answer to a prepared body; without a request (a batch line) the body
         must not stream."""
         chat = kind == "chat"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-" \
-              f"{request[REQUEST_ID] if request is not None else uuid.uuid4().hex}"
+        base = request[REQUEST_ID] if request is not None else uuid.uuid4().hex
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
         n = len(prompts) * body.n
         pieces, degraded, cached = await self._cached_or_run(
             tenant, request.headers if request is not None else {}, body, kind, rid, prompts,
             max_tokens, logprobs, n)
         # A degraded request is never silently so (see scheduler/overload.py).
-        headers = {**({"X-Request-Id": request[REQUEST_ID]} if request is not None else {}),
-                   **({"X-Surge-Degraded": degraded} if degraded else {}),
+        headers = {"X-Request-Id": base, **({"X-Surge-Degraded": degraded} if degraded else {}),
                    **({"X-Surge-Cache": cached} if cached else {})}
         echo = [""] * n
         if not chat and body.echo:
