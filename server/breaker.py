@@ -27,7 +27,6 @@ class Breaker:
         """on_change: called after every transition and rejection (the frontend tells the
         scheduler, for `surge admin stats`). replica: whose it is, with several."""
         self.cfg = cfg
-        self.replica = replica
         self.name = "circuit breaker" if replica is None else \
             f"replica {replica}'s circuit breaker"
         self.on_change = on_change
