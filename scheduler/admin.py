@@ -6,7 +6,7 @@ import re
 
 import msgspec
 
-from surge.config import TABLES, SpeculativeConfig, SurgeConfig
+from surge.config import SECTIONS, TABLES, SpeculativeConfig, SurgeConfig
 from surge.config_frontend import pools_problem, tenants_problem
 from surge.config_live import LIVE, LIVE_SECTION, inherited, live_values, shown
 from surge.config_load import oversized
@@ -31,8 +31,7 @@ def updated(cfg: SurgeConfig, values: dict[str, str], whole: bool = False) -> Su
         elif key in LIVE_SECTION:
             own[LIVE_SECTION[key]][key] = value
         else:
-            known = any(key in getattr(cfg, s).__struct_fields__ for s in ("scheduler", "model",
-                                                                            "speculative"))
+            known = any(key in getattr(cfg, s).__struct_fields__ for s in SECTIONS)
             return (f"{key} {'needs a restart' if known else 'is not a parameter'}; "
                     f"live parameters: {', '.join(LIVE_SECTION)}, tenants.NAME.FIELD, "
                     f"pools.NAME.FIELD")

@@ -13,7 +13,7 @@ import msgspec
 import zmq
 
 from surge.config import TABLES
-from surge.config_live import inherited, is_secret
+from surge.config_live import LIVE_SECTION, inherited, is_secret
 from surge.config_load import section_of
 from surge.keys import KeyStore
 from surge.protocol import AdminReply, AdminRequest, encode
@@ -59,15 +59,17 @@ def ask_all(addresses: list[str], command: str,
 
 
 def _pairs(values: list[str]) -> dict[str, str]:
-    """KEY=VALUE items; a key's parameter name may be written as its flag (max-num-seqs), a
-    tenant's or pool's name is kept as it is (tenants.team-a.weight)."""
+    """KEY=VALUE items; a key's parameter name may be written as its flag (max-num-seqs) or
+    after its section (scheduler.max_num_seqs), a tenant's or pool's name is kept as it is
+    (tenants.team-a.weight)."""
     pairs = {}
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{item!r} is not KEY=VALUE")
         head, dot, name = key.strip().rpartition(".")
-        pairs[head + dot + name.replace("-", "_")] = value.strip()
+        name = name.replace("-", "_")
+        pairs[name if LIVE_SECTION.get(name) == head else head + dot + name] = value.strip()
     return pairs
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from surge.config_load import load_config
 from tests.server import ServerProcess
 
 
@@ -257,5 +258,17 @@ def test_set_takes_flag_spellings_but_keeps_tenant_names():
 
     assert _pairs(["max-num-seqs=3", "tenants.team-a.max-queued=5", "pools.gpu-0.weight=2"]) == {
         "max_num_seqs": "3", "tenants.team-a.max_queued": "5", "pools.gpu-0.weight": "2"}
+    # A live parameter may be written after its section, as the TOML file has it.
+    assert _pairs(["scheduler.max_num_seqs=2", "overload.breaker-probes=1"]) == {
+        "max_num_seqs": "2", "breaker_probes": "1"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _pairs(["max_num_seqs"])
+
+
+def test_set_of_an_option_that_is_not_live_says_it_needs_a_restart():
+    from scheduler.admin import updated
+
+    cfg = load_config({}, {})
+    for key in ("port", "block_size", "max_body_bytes", "max_worker_restarts"):
+        assert updated(cfg, {key: "1"}).startswith(f"{key} needs a restart"), key
+    assert updated(cfg, {"frobnicate": "1"}).startswith("frobnicate is not a parameter")
