@@ -9,6 +9,7 @@ import os
 import re
 import tomllib
 import typing
+from functools import cache
 from typing import Any, Literal
 
 import msgspec
@@ -18,8 +19,10 @@ from surge.config import SECTIONS, TABLES, ConfigError, SurgeConfig
 from surge.config_frontend import pools_problem, tenants_problem
 
 
+@cache
 def _options() -> dict[str, tuple[str, Any]]:
-    """Every option name (unique across sections) -> (section, annotated type)."""
+    """Every option name (unique across sections) -> (section, annotated type); read once
+    (load_config, section_of for every row of `surge admin get`)."""
     options: dict[str, tuple[str, Any]] = {}
     for section, struct in SECTIONS.items():
         for name, hint in typing.get_type_hints(struct, include_extras=True).items():
