@@ -39,10 +39,9 @@ class Fleet:
         # Before routing, which picks a pool by the priority: one it may not ask for is the
         # client's fault (400), not a missing pool (503).
         admission = self.limits.admission
-        tenant = admission.tenant(first.tenant, now)
         priority = self.priority(first)
-        if (why := too_urgent(admission.tenant_cfgs, tenant.name, priority)) is not None:
-            admission.rejected[(tenant.name, "priority")] += 1
+        if (why := too_urgent(admission.tenant_cfgs, first.tenant, priority)) is not None:
+            admission.rejected[(first.tenant, "priority")] += 1
             self._count_rejections()
             return RequestOutput(first.request_id, [], "error", why, status=400)
         hashes = self.router.hashes(first.prompt_token_ids)
