@@ -162,20 +162,16 @@ def account(request: web.Request, endpoint: str, line: str, status: int, started
         "request_id": request.get(REQUEST_ID), **fields})
 
 
-def _error(e: ApiError) -> web.Response:
-    response = error_response(e.status, e.message, e.param, e.code)
-    if e.retry_after is not None:
-        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    return response
-
-
 async def _answer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as e:
-        return _error(e)
+        response = error_response(e.status, e.message, e.param, e.code)
+        if e.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise
